@@ -1,0 +1,83 @@
+"""The attention interface every model layer talks to.
+
+A model never knows how attention is computed or where K/V live: each layer
+calls `ctx.attend(layer_idx, q, k, v)` on the `StepContext` it was handed for
+this step. The context carries the backend, the backend's per-step metadata and
+the KV pool; it is created per step and dropped afterwards, so no global state
+outlives a step (not even when the forward raises).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionInputs:
+    """Tensors describing one step's sequences (already on the model's device).
+
+    For sequence i: new tokens are rows `query_start_loc[i]:query_start_loc[i+1]`
+    of q/k/v; after this step its cache holds `context_lens[i]` tokens, so the
+    new tokens sit at positions `context_lens[i] - query_len .. context_lens[i]-1`.
+    `block_tables[i, j]` is the pool block holding positions
+    `j*block_size .. (j+1)*block_size-1`; entries past the sequence are padding
+    (any valid block id, never read). `slot_mapping[t]` is the flat slot
+    (`block * block_size + offset`) where token t's K/V goes; -1 means padding:
+    the store skips it.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_context_len: int
+    # Plain-list copies for backends that group sequences on the host.
+    query_lens_list: list[int]
+    context_lens_list: list[int]
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged pool and attends over each sequence's pages."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, inputs: AttentionInputs) -> Any:
+        """Build per-step metadata once; reused by every layer of the step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: Any,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store k/v at their slots, then return attention output for the T new tokens."""
+
+
+@dataclass
+class StepContext:
+    """Everything a layer needs for attention in one step; scoped to that step."""
+
+    backend: AttentionBackend
+    meta: Any
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return self.backend.forward(
+            q, k, v, self.k_caches[layer_idx], self.v_caches[layer_idx], self.meta
+        )

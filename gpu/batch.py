@@ -1,0 +1,90 @@
+"""The message between the event loop and the model thread.
+
+`app/` builds a `Batch` from plain Python lists (no tensors: the event loop
+never touches a device), posts it to the worker, and receives a `StepResult`.
+The model thread never sees a Request object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """How to pick the next token for one sequence of the batch.
+
+    `seed` plus `output_index` (how many tokens the request has produced so
+    far) fully determine the random draw, so a seeded request samples the same
+    tokens alone or in any batch, and again after preemption and recompute.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    output_index: int = 0
+    # Token ids that must not be sampled this step (EOS and stop ids until
+    # min_tokens is reached).
+    banned_token_ids: tuple[int, ...] = ()
+    # Repetition control over the tokens generated so far (OpenAI semantics).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    output_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and top-k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Batch:
+    """One scheduler step, flattened.
+
+    Tokens of all sequences are concatenated (`token_ids`, `positions`,
+    `slot_mapping` have one entry per token). Sequence i owns the slice
+    `[cu_query_lens[i], cu_query_lens[i+1])`; after this step its KV cache
+    holds `context_lens[i]` tokens, laid out along `block_tables[i]`.
+    Rows listed in `sample_indices` (sequence indices) get a sampled token;
+    a sequence in the middle of a chunked prefill gets none.
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_indices: list[int]
+    sampling: list[SamplingRow]  # one per entry of sample_indices
+    step_id: int = 0
+
+    def __post_init__(self) -> None:
+        # Invariants the model thread relies on; cheap to check, costly to debug.
+        n = len(self.token_ids)
+        assert len(self.positions) == n and len(self.slot_mapping) == n
+        assert sum(self.query_lens) == n
+        assert len(self.context_lens) == len(self.query_lens) == len(self.block_tables)
+        assert len(self.sample_indices) == len(self.sampling)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+@dataclass
+class StepResult:
+    """Sampled token per entry of `Batch.sample_indices`, plus optional logprobs."""
+
+    step_id: int
+    token_ids: list[int]
+    # Per sampled row: (logprob of the sampled token, [(token_id, logprob), ...]) or None.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    forward_seconds: float = 0.0
