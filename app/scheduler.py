@@ -1,0 +1,189 @@
+"""Iteration-level scheduler: re-forms the batch every step under a token budget.
+
+Each step: running requests first (one decode token each, or their next prefill
+chunk), then waiting ones while the token budget, the sequence cap and the
+free blocks allow. When a running request needs a block and none is free, a
+victim (by policy) is preempted: its blocks are freed and it goes back to the
+front of the waiting queue to recompute its cache later.
+
+Blocks of a request aborted while its step is in flight are freed only when
+that step's results come back (`update`), never while a kernel may write them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.config import SchedulerConfig
+from app.kv_blocks import BlockManager
+from app.request import Request, RequestStatus
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_queued_requests; the server answers 503."""
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # num_computed_tokens when scheduled
+    num_new_tokens: int
+    samples: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0  # monotonic; metrics read deltas
+        self._in_flight: set[str] = set()
+        self._free_after_step: list[str] = []
+
+    # -- arrivals and departures -------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFull(f"waiting queue is full ({limit} requests)")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """Take the request out at once; its blocks go back now or after the step in flight."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        assert status.finished
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        if request.request_id in self._in_flight:
+            self._free_after_step.append(request.request_id)
+        else:
+            self.blocks.free(request.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        assert not self._in_flight, "schedule() called while a step is in flight"
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
+            scheduled[req.request_id] = self._seq(req, num_new)
+            budget -= num_new
+
+        # Admit waiting requests (preempted ones were put at the front) unless
+        # something was just preempted: admitting now would only thrash.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self._next_waiting()
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
+                break
+            self.waiting.remove(req)
+            self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._seq(req, num_new)
+            budget -= num_new
+
+        out.seqs = list(scheduled.values())
+        self._in_flight = set(scheduled)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance progress with the step's results; returns requests that got a token.
+
+        `sampled` has one token per seq with `samples` True, in `out.seqs` order.
+        """
+        got_token = []
+        it = iter(sampled)
+        for seq in out.seqs:
+            token = next(it) if seq.samples else None
+            req = seq.request
+            if req.is_finished:  # aborted while the step was in flight
+                continue
+            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            if token is not None:
+                req.output_token_ids.append(token)
+                got_token.append(req)
+        self._in_flight.clear()
+        for rid in self._free_after_step:
+            self.blocks.free(rid)
+        self._free_after_step.clear()
+        return got_token
+
+    @staticmethod
+    def _seq(req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(req, start, num_new, start + num_new == req.num_tokens)
+
+    # -- preemption ---------------------------------------------------------------
+
+    def _pick_victim(self) -> Request:
+        policy = self.config.preemption_policy
+        if policy == "priority":  # least important (largest value), newest among equals
+            return max(self.running, key=lambda r: (r.priority, r.arrival_seq))
+        if policy == "length":  # SGLang: retract short-output, long-input first
+            return min(self.running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
+        return max(self.running, key=lambda r: r.arrival_seq)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _next_waiting(self) -> Request:
+        if self.config.preemption_policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
+        return self.waiting[0]
