@@ -43,7 +43,9 @@ class LlamaConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
         if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
             # A window as long as the context is no window at all.
             if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):

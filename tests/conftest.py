@@ -5,8 +5,45 @@ machine). The variable must be set before triton is first imported.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- The real SmolLM2-135M-Instruct, shared by every test that needs it -------------
+# Imports stay inside the fixtures: transformers is slow to import, and tests that never
+# touch the real model should not pay for it.
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model as an HF directory (converted once, then cached)."""
+    from models.resolve import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own GGUF loading of the same file: the independent reference (~15 s)."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
+    from transformers import AutoModelForCausalLM
+
+    from models.resolve import default_gguf_path
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_dir: Path):
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)

@@ -1,0 +1,154 @@
+"""`ridgeline` command line: serve, generate, bench, export-model.
+
+Flag names follow vLLM, with SGLang's spellings accepted as aliases where they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int,
+                   default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes (e.g. 2GiB); CPU default 1GiB")
+    g.add_argument("--num-gpu-blocks-override", dest="num_blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", "--mem-fraction-static",
+                   dest="gpu_memory_utilization", type=float, default=0.9)
+    g.add_argument("--max-queued-requests", type=int, default=None)
+    g.add_argument("--preemption-policy", default="newest", choices=["newest", "priority", "length"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        served_model_name=getattr(a, "served_model_name", None),
+        dtype=a.dtype,
+        device=a.device,
+        seed=a.seed,
+        enforce_eager=a.enforce_eager,
+        attention_backend=a.attention_backend,
+        max_model_len=a.max_model_len,
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            max_queued_requests=a.max_queued_requests,
+            preemption_policy=a.preemption_policy,
+        ),
+        cache=CacheConfig(
+            block_size=a.block_size,
+            kv_cache_memory=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            num_blocks_override=a.num_blocks,
+        ),
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from app.llm import LLM
+    from app.sampling_params import SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(a))
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            seed=a.sampling_seed)
+    if a.chat:
+        out = llm.chat([{"role": "user", "content": a.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate([a.prompt], params, use_tqdm=False)[0]
+    print(out.text)
+    llm.shutdown()
+    return 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from models.resolve import export_model
+
+    print(export_model(a.model, a.out_dir))
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from app.server import run_server
+
+    return run_server(a, engine_config_from_args(a))
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench_cmd == "throughput":
+        from app.bench_throughput import run
+
+        return run(a, engine_config_from_args(a))
+    from app.bench_serve import run as run_serve
+
+    return run_serve(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ridgeline", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default=os.environ.get("RIDGELINE_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("RIDGELINE_PORT", "8000")))
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--api-key", default=os.environ.get("RIDGELINE_API_KEY"))
+    s.add_argument("--log-stats-interval", type=float, default=10.0)
+    s.add_argument("--shutdown-timeout", type=float, default=30.0)
+    s.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="complete one prompt and print it")
+    add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export-model", help="write the (default) model as an HF directory")
+    e.add_argument("out_dir")
+    e.add_argument("--model", default=None)
+    e.set_defaults(func=cmd_export)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput (optionally vs HF transformers)")
+    add_engine_args(t)
+    t.add_argument("--num-prompts", type=int, default=64)
+    t.add_argument("--input-len", type=int, default=32)
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--compare", choices=["hf"], default=None)
+    t.add_argument("--hf-batch-size", type=int, default=16)
+    t.add_argument("--output-json", default="bench_results/throughput.json")
+    t.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

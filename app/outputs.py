@@ -1,0 +1,40 @@
+"""What a caller receives: a delta per step while streaming, the whole text at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str  # the whole generated text; filled in on the final output only
+    token_ids: list[int]  # every generated token so far
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list | None = None  # per generated token: (logprob, [(id, logprob), ...])
+    metrics: RequestMetrics | None = None
+    error: str | None = None

@@ -1,0 +1,194 @@
+"""Prefill attention over a ragged batch, reading keys and values from the paged pool.
+
+Sequence i contributes rows `query_start_loc[i]:query_start_loc[i+1]` of q;
+they are the LAST query_len of its `context_lens[i]` cached tokens, whose K/V
+the KV store has already written. Attending over the pool rather than over the
+fresh k/v tensors is what makes one kernel serve a plain prefill (no prefix), a
+chunked prefill (a cached prefix from earlier chunks or the prefix cache) and a
+decode row inside a mixed batch (query_len 1).
+
+Grid: (query tile, sequence, query head). Tiles past a sequence's query_len
+exit at once, so the grid is sized by max_query_len, known on the host. Prefill
+is compute-bound, so each program handles one query head and lets L2 absorb the
+repeated K/V reads of a GQA group. Causality bounds the key loop: a tile stops
+at the key position of its last query row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu.kernels.paged_decode import dot_config
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_M >= query_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix_len = context_len - query_len
+    kv_head = head // GROUP
+
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_mask = offs_m < query_len
+    dim_mask = offs_d < HEAD_DIM
+    q_pos = prefix_len + offs_m
+    rows = (q_start + offs_m)[:, None]
+    q = tl.load(
+        q_ptr + rows * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Key 0 is visible to every row, so the first tile makes each row's max
+    # finite and later fully-masked rows contribute exp2(-inf) = 0, never NaN.
+    kv_end = tl.minimum(context_len, prefix_len + (q_tile + 1) * BLOCK_M)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        pos = kv_start + offs_n
+        pos_mask = pos < kv_end
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0
+        ).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = pos_mask[:, None] & dim_mask[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + block[:, None] * stride_kb
+            + offset[:, None] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        qk = (
+            tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            * scale_log2
+        )
+        causal = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + kv_head * stride_vh
+            + offs_d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(
+        out_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32, cached prefix + new tokens
+    max_query_len: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's paged cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
+    batch = context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # 64x64 tiles suit head_dim <= 128 on Hopper; halve the key tile beyond to fit SRAM.
+    block_m, block_n = 64, (64 if block_d <= 128 else 32)
+    dot_dtype, dot_precision = dot_config(q.dtype, q.device)
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        out,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

@@ -1,0 +1,97 @@
+"""Where the KV pool comes from: the one place the memory arithmetic lives.
+
+On CUDA the pool is what is left of `total × gpu_memory_utilization` after
+weights, the peak activations of a profiling forward, and the CUDA-graph
+estimate. On CPU it is an explicit byte budget. Either way the numbers are
+logged so that an operator can check each against the arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("ridgeline.memory")
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_BYTES = 1 * GiB
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    kv_bytes: int  # bytes the pool actually takes (whole blocks)
+    weights_bytes: int
+    max_model_len: int
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens fit at once."""
+        return self.token_capacity / self.max_model_len
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def plan_kv_cache(
+    *,
+    bytes_per_token: int,
+    block_size: int,
+    max_model_len: int,
+    weights_bytes: int,
+    kv_cache_memory: int | None = None,
+    total_device_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    peak_activation_bytes: int = 0,
+    graph_bytes: int = 0,
+    num_blocks: int | None = None,
+) -> KVPlan:
+    """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU."""
+    if num_blocks is not None:
+        budget = num_blocks * block_size * bytes_per_token
+    elif kv_cache_memory is not None:
+        budget = kv_cache_memory
+    elif total_device_bytes is not None:
+        budget = int(total_device_bytes * gpu_memory_utilization) - (
+            weights_bytes + peak_activation_bytes + graph_bytes
+        )
+        log.info(
+            "GPU memory: total %.2f GiB x utilization %.2f - weights %.2f GiB - peak activations "
+            "%.2f GiB - CUDA graphs %.2f GiB = %.2f GiB for the KV cache",
+            total_device_bytes / GiB, gpu_memory_utilization, weights_bytes / GiB,
+            peak_activation_bytes / GiB, graph_bytes / GiB, budget / GiB,
+        )
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    blocks = num_blocks if num_blocks is not None else budget // (block_size * bytes_per_token)
+    plan = KVPlan(
+        num_blocks=blocks,
+        block_size=block_size,
+        bytes_per_token=bytes_per_token,
+        kv_bytes=blocks * block_size * bytes_per_token,
+        weights_bytes=weights_bytes,
+        max_model_len=max_model_len,
+    )
+    if plan.token_capacity < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {plan.token_capacity} tokens ({budget / GiB:.3f} GiB at "
+            f"{bytes_per_token} bytes/token), fewer than max_model_len={max_model_len}: "
+            f"give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower "
+            f"--max-model-len"
+        )
+    log.info("Model weights take %.2f GiB", weights_bytes / GiB)
+    log.info("KV cache bytes per token: %d", bytes_per_token)
+    log.info("Available KV cache memory: %.2f GiB", plan.kv_bytes / GiB)
+    log.info("KV cache size: %d tokens (%d blocks of %d)", plan.token_capacity, blocks, block_size)
+    log.info(
+        "Maximum concurrency for %d tokens per request: %.2fx",
+        max_model_len, plan.max_concurrency,
+    )
+    return plan

@@ -1,0 +1,90 @@
+"""The one dedicated model thread.
+
+The event loop posts a Batch with `submit()` and gets a concurrent Future; an
+asyncio caller awaits it through `asyncio.wrap_future`, which hands the result
+back to the loop with `call_soon_threadsafe`. The runner is built on this
+thread so that device state (a CUDA context, graphs) belongs to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from gpu.batch import Batch, StepResult
+from gpu.runner import ModelRunner, RunnerSpec
+
+log = logging.getLogger("ridgeline.worker")
+
+_STOP = object()
+
+
+class WorkerDead(RuntimeError):
+    """The model thread has stopped; no step can run."""
+
+
+class Worker:
+    def __init__(self, spec: RunnerSpec):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: Future[ModelRunner] = Future()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(spec,), name="ridgeline-model",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> ModelRunner:
+        """Block until the runner is built; re-raises any load error here."""
+        return self._ready.result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, batch: Batch) -> Future[StepResult]:
+        fut: Future[StepResult] = Future()
+        if not self.alive:
+            fut.set_exception(WorkerDead(f"model thread is not running: {self.error!r}"))
+            return fut
+        self._inbox.put((batch, fut))
+        return fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    def _main(self, spec: RunnerSpec) -> None:
+        try:
+            runner = ModelRunner(spec)
+        except BaseException as e:  # surfaced to wait_ready()
+            self.error = e
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(runner)
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                break
+            batch, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(runner.execute(batch))
+            except BaseException as e:
+                # A failed step leaves device state unknown: the thread stops and
+                # every later submit fails fast, so health turns red at once.
+                log.exception("model step failed; the model thread stops")
+                self.error = e
+                fut.set_exception(e)
+                break
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                item[1].set_exception(WorkerDead(f"model thread stopped: {self.error!r}"))

@@ -1,0 +1,274 @@
+"""Convert a llama.cpp GGUF file into an HF-style model directory.
+
+Everything downstream (the model, the weight loader, the tokenizer) reads one format,
+an HF directory with `config.json` and float32 safetensors. Dequantizing a GGUF once
+into that format costs seconds and lets the cached result load as fast as any HF
+checkpoint, so GGUF support is this one file rather than a second loading path.
+
+The tensors are read with `gguf.GGUFReader` (not through transformers) so the weight
+path stays independent of transformers' own GGUF loader; the tests compare the two.
+The tokenizer does go through transformers: rebuilding a BPE tokenizer from GGUF
+vocab and merges is exactly what its converter already does well.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+
+log = logging.getLogger(__name__)
+
+StrPath = str | os.PathLike[str]
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# GGUF per-layer tensor suffix -> HF Llama suffix under `model.layers.{i}.`.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent when the embeddings are tied
+}
+_REQUIRED_GLOBAL = ("token_embd.weight", "output_norm.weight")
+
+
+def undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute()` on attn_q (n_head) / attn_k (n_head_kv) rows.
+
+    llama.cpp stores each head's rotary rows interleaved (pairs x0,x1 adjacent) for its
+    RoPE kernel; HF Llama rotates the two halves of a head (x_i with x_{i+d/2}). The
+    forward map is `reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`; this swaps back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath) -> Path:
+    """Write config, float32 safetensors, generation config and tokenizer to `out_dir`.
+
+    The directory appears all at once: it is built in a temporary sibling and renamed
+    into place, so a crash never leaves a half-written cache that looks complete. If
+    another process renames its own finished copy in first, that copy is kept.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    if out_dir.exists():
+        raise FileExistsError(f"output directory {out_dir} already exists")
+    reader = _open_reader(gguf_path)
+    meta = _Metadata(reader, gguf_path)
+    _check_tensors(meta, reader)
+    config = _hf_config(meta, reader)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", _generation_config(config, meta))
+        _save_tokenizer(gguf_path, meta, tmp)
+        save_file(_hf_tensors(reader, config, gguf_path), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():
+                raise
+            log.info("another process finished converting %s first; using its copy", gguf_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return out_dir
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    # The reader reports truncation as numpy reshape/view errors; name the file instead.
+    try:
+        return GGUFReader(path)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+class _Metadata:
+    """Typed access to GGUF key-value metadata, with errors that name the file."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.reader, self.path = reader, path
+        self.arch = self.get("general.architecture")
+        if self.arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ValueError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
+                             f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+
+    def get(self, key: str, default: Any = ..., *, arch_key: bool = False) -> Any:
+        field = self.reader.get_field(f"{self.arch}.{key}" if arch_key else key)
+        if field is None:
+            if default is ...:
+                raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def arch_get(self, key: str, default: Any = ...) -> Any:
+        return self.get(key, default, arch_key=True)
+
+
+def _check_tensors(meta: _Metadata, reader: GGUFReader) -> None:
+    """Fail before the slow steps when the file lacks a tensor the Llama model needs."""
+    names = {t.name for t in reader.tensors}
+    layers = int(meta.arch_get("block_count"))
+    missing = [n for n in _REQUIRED_GLOBAL if n not in names] + [
+        f"blk.{i}.{s}" for i in range(layers) for s in _LAYER_TENSORS if f"blk.{i}.{s}" not in names
+    ]
+    if missing:
+        raise ValueError(f"{meta.path}: GGUF is missing {len(missing)} expected tensors, "
+                         f"e.g. {missing[:3]}")
+    if "rope_freqs.weight" in names:
+        # Llama-3.1 style scaling baked into per-frequency factors; the HF parameters
+        # (low/high frequency factors) cannot be recovered from them unambiguously.
+        raise ValueError(f"{meta.path}: rope_freqs.weight (Llama 3.1 rope scaling) "
+                         "is not supported")
+
+
+def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
+    names = {t.name for t in reader.tensors}
+    layers = int(meta.arch_get("block_count"))
+    hidden = int(meta.arch_get("embedding_length"))
+    heads = int(meta.arch_get("attention.head_count"))
+    kv_heads = int(meta.arch_get("attention.head_count_kv", heads))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = int(meta.arch_get("vocab_size", int(embd.shape[-1])))  # GGUF shape: [hidden, vocab]
+    bos = meta.get("tokenizer.ggml.bos_token_id", None)
+    # An end-of-turn token distinct from eos (e.g. <|eot_id|>) must stop generation too.
+    stop_ids = (meta.get(f"tokenizer.ggml.{key}_token_id", None) for key in ("eos", "eot"))
+    eos_ids = list(dict.fromkeys(int(i) for i in stop_ids if i is not None))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.arch_get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(meta.arch_get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta.arch_get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.arch_get("context_length", 2048)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    scaling = _rope_scaling(meta)
+    if scaling:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _f32(value: float) -> float:
+    """GGUF stores float32: write 1e-05, not its float64 widening 9.999999747378752e-06."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+    factor = meta.arch_get("rope.scaling.factor", None) or meta.arch_get("rope.scale_linear", None)
+    kind = meta.arch_get("rope.scaling.type", "linear" if factor else "none")
+    if kind == "none" or not factor or float(factor) == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        for gguf_key, hf_key in (
+            ("rope.scaling.original_context_length", "original_max_position_embeddings"),
+            ("rope.scaling.yarn_beta_fast", "beta_fast"),
+            ("rope.scaling.yarn_beta_slow", "beta_slow"),
+        ):
+            value = meta.arch_get(gguf_key, None)
+            if value is not None:
+                scaling[hf_key] = value
+        return scaling
+    raise ValueError(f"{meta.path}: unsupported rope scaling type {kind!r}")
+
+
+def _generation_config(config: dict[str, Any], meta: _Metadata) -> dict[str, Any]:
+    pad = meta.get("tokenizer.ggml.padding_token_id", None)
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if pad is not None:
+        gen["pad_token_id"] = int(pad)
+    return gen
+
+
+def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
+    """Dequantize every tensor to float32 in HF shape, names and Q/K row order."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            log.warning("%s: skipping unknown GGUF tensor %s", path, t.name)
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot dequantize tensor {t.name} "
+                             f"({t.tensor_type.name}, shape {shape}): {e}") from e
+        if t.name.endswith("attn_q.weight"):
+            w = undo_qk_permutation(w, heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = undo_qk_permutation(w, kv_heads)
+        out[name] = np.ascontiguousarray(w)
+    return out
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
+        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    return None
+
+
+def _save_tokenizer(gguf_path: Path, meta: _Metadata, out_dir: Path) -> None:
+    """transformers' GGUF tokenizer conversion, with eos and chat template pinned to the GGUF."""
+    from transformers import AutoTokenizer  # heavy import, only needed when converting
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    eos_id = meta.get("tokenizer.ggml.eos_token_id", None)
+    if eos_id is not None and int(eos_id) < len(tokens) and tokenizer.eos_token != tokens[eos_id]:
+        tokenizer.eos_token = tokens[eos_id]
+    template = meta.get("tokenizer.chat_template", None)
+    if template and tokenizer.chat_template != template:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

