@@ -82,8 +82,12 @@ class ModelRunner:
         model.rotary.__init__(self.config, spec.max_model_len)  # buffers are not on meta
         model.rotary.to(self.device)
         model.load_weights(iter_safetensors(spec.model_dir, self.dtype))
-        self.model = model.eval()
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.model = model.eval()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            from gpu.cpu_linear import pack_linears
+
+            pack_linears(self.model)
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
 
         self.plan: KVPlan = plan_kv_cache(
@@ -99,16 +103,15 @@ class ModelRunner:
             total_device_bytes=self._total_device_bytes(),
             gpu_memory_utilization=spec.gpu_memory_utilization,
         )
-        shape = (self.plan.num_blocks, spec.block_size, self.config.num_kv_heads,
-                 self.config.head_dim)
+        self.backend: AttentionBackend = make_backend(
+            spec.attention_backend, self.device, self.config, spec.block_size
+        )
+        shape = self.backend.kv_cache_shape(self.plan.num_blocks)
         # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(self.config.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(self.config.num_layers)]
-        self.backend: AttentionBackend = make_backend(
-            spec.attention_backend, self.device, self.config, spec.block_size
-        )
         self.sampler = Sampler(self.device, spec.seed)
 
     def _total_device_bytes(self) -> int | None:

@@ -56,10 +56,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, 1, D] for this step's positions; computed once, used by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +77,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # torch's fused kernel accumulates in fp32; one op instead of six per norm.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -91,13 +92,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, ctx: StepContext):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: StepContext):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Rotate q and k heads in one go: half the elementwise ops of doing each.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -121,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+    def forward(self, x, rope, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,13 +142,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext):
         """[T] token ids and positions → [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, ctx)
+            x = layer(x, rope, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # -- weights ------------------------------------------------------------------
 

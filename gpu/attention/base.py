@@ -51,6 +51,14 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.scale = head_dim**-0.5
 
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) pool; the backend owns the layout.
+
+        The default is block-major, `[num_blocks, block_size, num_kv_heads, head_dim]`,
+        what the Triton kernels walk. Flat slot s is `(s // block_size, s % block_size)`.
+        """
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
     @abstractmethod
     def prepare(self, inputs: AttentionInputs) -> Any:
         """Build per-step metadata once; reused by every layer of the step."""
@@ -61,7 +69,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # kv_cache_shape(num_blocks)
         v_cache: torch.Tensor,
         meta: Any,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
