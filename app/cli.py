@@ -6,7 +6,6 @@ Flag names follow vLLM, with SGLang's spellings accepted as aliases where they d
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -30,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", "--mem-fraction-static",
                    dest="gpu_memory_utilization", type=float, default=0.9)
     g.add_argument("--max-queued-requests", type=int, default=None)
-    g.add_argument("--preemption-policy", default="newest", choices=["newest", "priority", "length"])
+    g.add_argument("--preemption-policy", default="newest",
+                   choices=["newest", "priority", "length"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from app.logging_setup import configure_logging
+
+    configure_logging()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

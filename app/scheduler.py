@@ -163,6 +163,13 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledSeq(req, start, num_new, start + num_new == req.num_tokens)
 
+    def release_in_flight(self) -> None:
+        """The step in flight failed: nothing will write its blocks any more."""
+        self._in_flight.clear()
+        for rid in self._free_after_step:
+            self.blocks.free(rid)
+        self._free_after_step.clear()
+
     # -- preemption ---------------------------------------------------------------
 
     def _pick_victim(self) -> Request:

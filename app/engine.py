@@ -1,0 +1,230 @@
+"""AsyncEngine: the engine loop on the event loop, one asyncio queue per request.
+
+One task runs `schedule → post the Batch to the model thread → await its
+result (the loop keeps serving HTTP) → process → push deltas`. It sleeps when
+there is no work and wakes on the next arrival. A consumer that goes away
+(CancelledError / GeneratorExit) aborts its request at once; blocks of a step
+in flight are freed when that step returns (the scheduler defers them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from app.engine_core import EngineCore
+from app.metrics import Metrics
+from app.outputs import RequestOutput
+from app.sampling_params import SamplingParams
+from app.stats_logger import StatsLogger
+
+log = logging.getLogger("ridgeline.engine")
+
+# /health turns red when a step has been running longer than this.
+STEP_STALL_SECONDS = 60.0
+
+
+class EngineDead(RuntimeError):
+    """The model thread failed; no request can make progress."""
+
+
+class RequestStream:
+    """What a caller iterates: the request's deltas, ending with a finished one."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._engine = engine
+        self.last_token_time: float | None = None
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    self.finished = True
+                    return
+        finally:
+            if not self.finished:  # consumer left early: cancelled, closed, disconnected
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0):
+        self.core = core
+        self.model_name = model_name
+        self.metrics = Metrics(model_name)
+        self.stats = StatsLogger(log_stats_interval)
+        self._streams: dict[str, RequestStream] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None
+        self.step_started: float | None = None
+        self._last_preemptions = 0
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.to_thread(self.core.shutdown)
+
+    @property
+    def healthy(self) -> bool:
+        """Alive: the model thread runs and no step has stalled."""
+        if self.dead is not None or not self.core.worker.alive:
+            return False
+        if self._task is None or self._task.done():
+            return False
+        started = self.step_started
+        return started is None or time.monotonic() - started < STEP_STALL_SECONDS
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # -- requests -----------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously."""
+        if self.dead is not None:
+            raise EngineDead(f"engine is not running: {self.dead!r}")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.core.add_request(rid, prompt_token_ids, params, priority)
+        stream = RequestStream(self, rid)
+        self._streams[rid] = stream
+        self._wakeup.set()
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        async for out in self.add_request(prompt_token_ids, params, request_id, priority):
+            yield out
+
+    def abort(self, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        out = self.core.abort(request_id)
+        if out is not None:
+            self.metrics.request_success.labels(self.model_name, "abort").inc()
+            log.info("request aborted", extra={"request_id": request_id})
+        if stream is not None and not stream.finished:
+            stream.finished = True
+            if out is not None:
+                stream.queue.put_nowait(out)
+        self._update_gauges()
+        return out is not None
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                if not core.has_work:
+                    self._update_gauges()
+                    self.stats.maybe_log(0, 0, core.blocks.usage)
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                scheduled = core.schedule()
+                if scheduled is None:
+                    await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
+                    continue
+                out, batch = scheduled
+                self.step_started = time.monotonic()
+                result = await asyncio.wrap_future(core.worker.submit(batch))
+                self.step_started = None
+                prompt_before, gen_before = core.stats.prompt_tokens, core.stats.generation_tokens
+                outputs = core.process(out, result)
+                self._dispatch(outputs)
+                preempt = core.scheduler.num_preemptions - self._last_preemptions
+                self._last_preemptions = core.scheduler.num_preemptions
+                prompt = core.stats.prompt_tokens - prompt_before
+                gen = core.stats.generation_tokens - gen_before
+                self.metrics.add_tokens(prompt, gen, preempt)
+                self.stats.record(prompt, gen, preempt)
+                self._update_gauges()
+                self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
+                                     core.blocks.usage)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the model thread failed: fail every request, go red
+            self.dead = e
+            self.step_started = None
+            core.scheduler.release_in_flight()
+            log.exception("engine loop stopped")
+            self._fail_all(EngineDead(f"engine failed: {e!r}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            m = out.metrics
+            if stream.last_token_time is None:
+                if m and m.ttft is not None:
+                    self.metrics.observe_first_token(m.ttft)
+            else:
+                self.metrics.observe_itl(now - stream.last_token_time)
+            stream.last_token_time = now
+            if out.finished:
+                del self._streams[out.request_id]
+                self._observe_finished(out)
+            stream.queue.put_nowait(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
+        prefill = (None if m.first_token_time is None or m.first_scheduled_time is None
+                   else m.first_token_time - m.first_scheduled_time)
+        decode = None if m.first_token_time is None else m.finished_time - m.first_token_time
+        self.metrics.observe_finished(out.finish_reason or "stop", m.e2e, queue, prefill, decode)
+        log.info(
+            "request finished",
+            extra={"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
+                   "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
+                   "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
+                   "preemptions": m.num_preemptions},
+        )
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            stream = self._streams.pop(rid)
+            self.core.abort(rid)
+            stream.queue.put_nowait(error)
+
+    def fail_unfinished(self, message: str) -> int:
+        """End every live request with an error (shutdown timeout); returns how many."""
+        n = len(self._streams)
+        self._fail_all(EngineDead(message))
+        return n
+
+    def _update_gauges(self) -> None:
+        s = self.core.scheduler
+        self.metrics.set_state(len(s.running), len(s.waiting), self.core.blocks.usage)

@@ -1,0 +1,44 @@
+"""structlog for everything: JSON lines when not on a terminal, readable console otherwise.
+
+Code in gpu/ and models/ logs through the standard `logging` module (it must
+not depend on app/); the ProcessorFormatter renders those records with the
+same processors, so the whole log has one format.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(json_lines: bool | None = None, level: int = logging.INFO) -> None:
+    if json_lines is None:
+        json_lines = not sys.stderr.isatty()
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = (structlog.processors.JSONRenderer() if json_lines
+                else structlog.dev.ConsoleRenderer(colors=False))
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
+    for noisy in ("uvicorn.access", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,83 @@
+"""Prometheus metrics with vLLM's meanings under a `ridgeline:` prefix.
+
+Dashboards built for vLLM port by swapping the prefix. Each engine owns its
+registry (tests run several servers in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+P = "ridgeline:"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.num_requests_running = Gauge(P + "num_requests_running",
+                                          "Requests in the running batch", labels, registry=r)
+        self.num_requests_waiting = Gauge(P + "num_requests_waiting",
+                                          "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_cache_usage_perc = Gauge(P + "kv_cache_usage_perc",
+                                         "KV-cache usage, 1 means 100 percent", labels,
+                                         registry=r)
+        self.num_preemptions = Counter(P + "num_preemptions", "Cumulative preemptions", labels,
+                                       registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed", labels,
+                                     registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", labels,
+                                         registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests",
+                                       labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Inter-token latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time waiting to start",
+                                    labels, buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram(P + "request_prefill_time_seconds",
+                                      "First scheduled to first token", labels,
+                                      buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode_time = Histogram(P + "request_decode_time_seconds",
+                                     "First token to finish", labels, buckets=_REQUEST_BUCKETS,
+                                     registry=r)
+        self.model = model_name
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.num_requests_running.labels(self.model).set(running)
+        self.num_requests_waiting.labels(self.model).set(waiting)
+        self.kv_cache_usage_perc.labels(self.model).set(kv_usage)
+
+    def add_tokens(self, prompt: int, generation: int, preemptions: int) -> None:
+        if prompt:
+            self.prompt_tokens.labels(self.model).inc(prompt)
+        if generation:
+            self.generation_tokens.labels(self.model).inc(generation)
+        if preemptions:
+            self.num_preemptions.labels(self.model).inc(preemptions)
+
+    def observe_first_token(self, ttft: float) -> None:
+        self.ttft.labels(self.model).observe(ttft)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(self.model).observe(seconds)
+
+    def observe_finished(self, reason: str, e2e: float, queue: float | None,
+                         prefill: float | None, decode: float | None) -> None:
+        self.request_success.labels(self.model, reason).inc()
+        self.e2e.labels(self.model).observe(e2e)
+        for hist, value in ((self.queue_time, queue), (self.prefill_time, prefill),
+                            (self.decode_time, decode)):
+            if value is not None:
+                hist.labels(self.model).observe(value)
