@@ -1,0 +1,89 @@
+"""Run the real server (uvicorn + uvloop + httptools) on a free loopback port in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+import uvloop
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.server import ServerSettings, build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, config: EngineConfig, settings: ServerSettings | None = None):
+        self.settings = settings or ServerSettings(log_stats_interval=0.05)
+        self.app = build_app(config, self.settings)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="none",
+                             http="httptools", log_config=None, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(cfg)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve())
+
+    @property
+    def state(self):
+        return self.app.state.ridgeline
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    def start(self, timeout: float = 120.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state.load_error is not None:
+                raise RuntimeError("model failed to load") from self.state.load_error
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("server did not become healthy")
+
+    def call(self, fn, *args):
+        """Run `fn(*args)` on the server's event loop (where all request state lives)."""
+        done = threading.Event()
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(fn(*args))
+            finally:
+                done.set()
+
+        self.loop.call_soon_threadsafe(run)
+        done.wait(10)
+        return box[0] if box else None
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def tiny_config(model_dir, max_model_len: int = 256, **scheduler) -> EngineConfig:
+    cache = {k: scheduler.pop(k) for k in ("num_blocks_override", "block_size") if k in scheduler}
+    return EngineConfig(
+        model=str(model_dir), served_model_name="tiny", dtype="float32",
+        max_model_len=max_model_len,
+        scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache),
+    )

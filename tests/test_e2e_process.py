@@ -1,0 +1,98 @@
+"""`ridgeline serve` as a real process: the embedded SmolLM2 end to end, and SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import free_port
+from tests.tiny_model import make_tiny_llama
+
+
+def start(*args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("server did not start")
+
+
+def test_default_model_answers_and_logs_memory_plan():
+    proc, url = start("--max-model-len", "1024")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=30)
+        assert chat.choices[0].message.content == "The capital of France is Paris."
+        assert chat.choices[0].finish_reason == "stop"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    for needle in ("Available KV cache memory", "KV cache size", "Maximum concurrency for 1024",
+                   "KV cache bytes per token", "Model weights take"):
+        assert needle in out, needle
+
+
+def _read_events(resp) -> list[str]:
+    return [line[5:].strip() for line in resp.iter_lines() if line.startswith("data:")]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
+
+
+def test_sigterm_lets_in_flight_finish_then_exits_zero(tiny_dir):
+    proc, url = start("--model", str(tiny_dir), "--dtype", "float32", "--shutdown-timeout", "30")
+    body = {"prompt": "a", "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(url + "/health").status_code == 503  # draining
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2})
+        assert refused.status_code == 503
+        events = [first[5:].strip()] + [x[5:].strip() for x in lines if x.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 200
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_shutdown_timeout_ends_streams_with_error_event(tiny_dir):
+    proc, url = start("--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "1000",
+                      "--shutdown-timeout", "0.5", "--max-num-seqs", "1")
+    body = {"prompt": "a", "max_tokens": 990, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        proc.send_signal(signal.SIGTERM)
+        events = [x[5:].strip() for x in lines if x.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    assert "shut down" in json.loads(events[-2])["error"]["message"]
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
