@@ -69,6 +69,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.dead: BaseException | None = None
         self.step_started: float | None = None
@@ -77,9 +78,21 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="engine-loop")
+        self._lag_task = loop.create_task(self._watch_lag(), name="loop-lag")
+
+    async def _watch_lag(self, period: float = 0.01) -> None:
+        """Measure how late a 10 ms timer fires: the event loop's responsiveness."""
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(period)
+            self.metrics.event_loop_lag.labels(self.model_name).observe(
+                max(0.0, time.perf_counter() - t0 - period))
 
     async def stop(self) -> None:
+        if self._lag_task:
+            self._lag_task.cancel()
         if self._task:
             self._task.cancel()
             try:
@@ -154,7 +167,7 @@ class AsyncEngine:
                     await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
                     continue
                 out, batch = scheduled
-                self.step_started = time.monotonic()
+                self.step_started = step_start = time.monotonic()
                 result = await asyncio.wrap_future(core.worker.submit(batch))
                 self.step_started = None
                 prompt_before, gen_before = core.stats.prompt_tokens, core.stats.generation_tokens
@@ -169,6 +182,8 @@ class AsyncEngine:
                 self._update_gauges()
                 self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
                                      core.blocks.usage)
+                overhead = time.monotonic() - step_start - result.forward_seconds
+                self.metrics.step_overhead.labels(self.model_name).inc(max(0.0, overhead))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the model thread failed: fail every request, go red

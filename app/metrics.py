@@ -49,6 +49,13 @@ class Metrics:
         self.decode_time = Histogram(P + "request_decode_time_seconds",
                                      "First token to finish", labels, buckets=_REQUEST_BUCKETS,
                                      registry=r)
+        # Ridgeline's own: how well the event loop keeps up (server overhead).
+        self.event_loop_lag = Histogram(P + "event_loop_lag_seconds",
+                                        "Lateness of a 10 ms timer on the event loop", labels,
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_overhead = Counter(P + "step_overhead_seconds",
+                                     "Engine-step time outside the model forward", labels,
+                                     registry=r)
         self.model = model_name
 
     def render(self) -> bytes:
