@@ -199,7 +199,7 @@ class EngineCore:
             slots += self.blocks.slots(req.request_id, start, start + n)
             qlens.append(n)
             ctx_lens.append(start + n)
-            tables.append(self.blocks.block_table(req.request_id))
+            tables.append(list(self.blocks.block_table(req.request_id)))  # a snapshot
             if seq.samples:
                 sample_idx.append(i)
                 rows.append(self._sampling_row(req))
