@@ -96,3 +96,17 @@ def test_shutdown_timeout_ends_streams_with_error_event(tiny_dir):
     assert "shut down" in json.loads(events[-2])["error"]["message"]
     proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_cli_generate_prints_the_offline_completion(tiny_dir):
+    from app import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256)
+    expected = llm.generate(["Hello world"], SamplingParams(max_tokens=6, temperature=0),
+                            use_tqdm=False)[0].text
+    llm.shutdown()
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "generate", "--model", str(tiny_dir), "--dtype",
+         "float32", "--max-model-len", "256", "--max-tokens", "6", "Hello world"],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout == expected + "\n"
