@@ -77,6 +77,8 @@ class EngineCore:
             attention_backend=config.attention_backend,
             seed=config.seed,
             enforce_eager=config.enforce_eager,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         ))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan

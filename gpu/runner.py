@@ -9,17 +9,23 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionInputs, StepContext
 from gpu.batch import Batch, StepResult
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
+from gpu.profiling import MemoryProfile, profile_memory
 from gpu.sampler import Sampler
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
 from models.weights import iter_safetensors
+
+if TYPE_CHECKING:
+    from gpu.graphs import GraphRunner
 
 log = logging.getLogger("ridgeline.runner")
 
@@ -42,6 +48,9 @@ class RunnerSpec:
     seed: int = 0
     enforce_eager: bool = False
     num_threads: int | None = None
+    # The scheduler's caps: they size the profiling step and the CUDA-graph buckets.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +77,9 @@ def make_backend(name: str, device: torch.device, cfg: LlamaConfig, block_size: 
 
 
 class ModelRunner:
-    def __init__(self, spec: RunnerSpec):
+    def __init__(self, spec: RunnerSpec, weights: Iterable[tuple[str, torch.Tensor]] | None = None):
+        """`weights` (HF names) replace the checkpoint's tensors; the GPU check uses it
+        to build a random model of a real shape without writing it to disk."""
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
@@ -78,10 +89,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(self.config, max_positions=spec.max_model_len)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        # Cast on meta, then allocate: the weights never exist in fp32 first.
+        model = model.to(self.dtype).to_empty(device=self.device)
         model.rotary.__init__(self.config, spec.max_model_len)  # buffers are not on meta
         model.rotary.to(self.device)
-        model.load_weights(iter_safetensors(spec.model_dir, self.dtype))
+        model.load_weights(weights if weights is not None
+                           else iter_safetensors(spec.model_dir, self.dtype))
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -90,6 +103,11 @@ class ModelRunner:
             pack_linears(self.model)
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
 
+        self.backend: AttentionBackend = make_backend(
+            spec.attention_backend, self.device, self.config, spec.block_size
+        )
+        self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
+        self.profile = self._profile()
         self.plan: KVPlan = plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
@@ -102,9 +120,8 @@ class ModelRunner:
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
             gpu_memory_utilization=spec.gpu_memory_utilization,
-        )
-        self.backend: AttentionBackend = make_backend(
-            spec.attention_backend, self.device, self.config, spec.block_size
+            peak_activation_bytes=self.profile.peak_activation_bytes,
+            graph_bytes=self.profile.graph_bytes,
         )
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
         # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.
@@ -113,17 +130,70 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(self.config.num_layers)]
         self.sampler = Sampler(self.device, spec.seed)
+        self.graphs = self._capture_graphs()
+
+    def _auto_sized(self) -> bool:
+        """True when the pool takes what the GPU has left (no explicit size given)."""
+        spec = self.spec
+        return self.device.type == "cuda" and not (spec.kv_cache_memory or spec.num_blocks)
 
     def _total_device_bytes(self) -> int | None:
-        if self.device.type != "cuda" or self.spec.kv_cache_memory or self.spec.num_blocks:
+        if not self._auto_sized():
             return None
         return torch.cuda.get_device_properties(self.device).total_memory
+
+    def _graph_sizes(self) -> list[int]:
+        if self.device.type != "cuda" or self.spec.enforce_eager:
+            return []
+        from gpu.attention.triton_backend import TritonAttentionBackend
+        from gpu.graphs import graph_sizes
+
+        if not isinstance(self.backend, TritonAttentionBackend):
+            log.info("CUDA graphs are off: %s steps cannot be captured",
+                     type(self.backend).__name__)
+            return []
+        return graph_sizes(self.spec.max_num_seqs)
+
+    def _profile(self) -> MemoryProfile:
+        if not self._auto_sized():
+            return MemoryProfile(0, 0)
+        return profile_memory(
+            self.model, self.backend, device=self.device, dtype=self.dtype,
+            max_num_batched_tokens=self.spec.max_num_batched_tokens,
+            max_num_seqs=self.spec.max_num_seqs, max_model_len=self.spec.max_model_len,
+            graph_sizes=self.graph_sizes,
+        )
+
+    def _capture_graphs(self) -> GraphRunner | None:
+        """A GraphRunner with every bucket captured, or None (CPU, --enforce-eager)."""
+        if not self.graph_sizes:
+            return None
+        from gpu.graphs import GraphRunner
+
+        graphs = GraphRunner(self.model, self.backend, self.k_caches, self.v_caches,
+                             sizes=self.graph_sizes, max_model_len=self.spec.max_model_len)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
         dev = self.device
         qsl = list(itertools.accumulate(batch.query_lens, initial=0))
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self._forward_eager(batch, qsl)
+        tokens: list[int] = []
+        logprobs: list = []
+        if batch.sample_indices:
+            last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
+            logits = self.model.compute_logits(hidden[last])
+            tokens, logprobs = self.sampler(logits, batch.sampling)
+        return StepResult(batch.step_id, tokens, logprobs, time.perf_counter() - t0)
+
+    def _forward_eager(self, batch: Batch, qsl: list[int]) -> torch.Tensor:
+        dev = self.device
         width = max(len(t) for t in batch.block_tables)
         tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
         inputs = AttentionInputs(
@@ -139,11 +209,4 @@ class ModelRunner:
         ctx = StepContext(self.backend, self.backend.prepare(inputs), self.k_caches, self.v_caches)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, positions, ctx)
-        tokens: list[int] = []
-        logprobs: list = []
-        if batch.sample_indices:
-            last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
-            logits = self.model.compute_logits(hidden[last])
-            tokens, logprobs = self.sampler(logits, batch.sampling)
-        return StepResult(batch.step_id, tokens, logprobs, time.perf_counter() - t0)
+        return self.model(input_ids, positions, ctx)

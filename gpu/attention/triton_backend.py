@@ -41,20 +41,25 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels (natively on CUDA, interpreted elsewhere)."""
 
-    def prepare(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+    def prepare(
+        self, inputs: AttentionInputs, num_splits: int | None = None
+    ) -> TritonAttentionMetadata:
+        """`num_splits` pins the decode split count instead of choosing it from this
+        step's max_context_len: a CUDA graph bakes in the grid and the workspace."""
+        if inputs.max_query_len != 1:
+            return TritonAttentionMetadata(inputs, False, 1, None)
         num_seqs = len(inputs.query_lens_list)
-        decode_only = inputs.max_query_len == 1
-        num_splits, workspace = 1, None
-        if decode_only:
-            device = inputs.context_lens.device
+        device = inputs.context_lens.device
+        if num_splits is None:
             num_splits = choose_num_splits(
                 num_seqs, self.num_kv_heads, inputs.max_context_len, num_sms(device)
             )
-            if num_splits > 1:
-                workspace = SplitWorkspace.allocate(
-                    num_seqs, self.num_heads, self.head_dim, num_splits, device
-                )
-        return TritonAttentionMetadata(inputs, decode_only, num_splits, workspace)
+        workspace = None
+        if num_splits > 1:
+            workspace = SplitWorkspace.allocate(
+                num_seqs, self.num_heads, self.head_dim, num_splits, device
+            )
+        return TritonAttentionMetadata(inputs, True, num_splits, workspace)
 
     def forward(
         self,

@@ -1,0 +1,239 @@
+"""CUDA-graph capture and replay of decode-only steps.
+
+A decode step of a small batch is a few hundred short kernels; launching them
+one by one from Python costs more than running them. Captured once into a CUDA
+graph, the whole forward is one launch. A graph bakes in every address and
+launch grid, so:
+
+- inputs live in static buffers (`DecodeBuffers`) that every graph reads;
+- a batch is padded up to the next captured size (its bucket) with dummy rows:
+  slot -1 (the KV store skips it) and context length 0 (the decode kernel
+  writes zeros) — no branch anywhere in the hot path;
+- the split-K decode's `num_splits` is pinned per bucket, chosen for
+  max_model_len, since its grid and workspace cannot change after capture.
+
+The graph covers the model forward up to the final hidden states; logits and
+sampling run eagerly on the real rows only. Prefill, mixed steps and decode
+batches above the largest bucket run eagerly. All graphs share one memory pool,
+captured largest first so that the smaller ones reuse its blocks.
+
+Bucket choice and padding are plain Python, testable without CUDA. Off CUDA,
+`GraphRunner` "captures" a closure that re-runs the forward on the same static
+buffers, so the padding and buffer logic runs on CPU too (tests, smoke check).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpu.attention.base import AttentionInputs, StepContext
+from gpu.attention.triton_backend import TritonAttentionBackend
+from gpu.batch import Batch
+from gpu.kernels.paged_decode import choose_num_splits, num_sms
+
+log = logging.getLogger("ridgeline.graphs")
+
+MAX_CAPTURE_SIZE = 512
+GiB = 1 << 30
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's bucket list: 1, 2, 4, steps of 8 to 256, steps of 16 beyond,
+    up to min(2 * max_num_seqs, 512)."""
+    cap = min(2 * max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, MAX_CAPTURE_SIZE + 1, 16)]
+    return [s for s in sizes if s <= cap]
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets worth capturing: up to the first that holds max_num_seqs rows.
+
+    A decode step has at most max_num_seqs sequences (the scheduler's cap), so
+    larger buckets could never be replayed; skipping them saves capture time
+    and graph memory.
+    """
+    sizes = capture_sizes(max_num_seqs)
+    return sizes[: bisect.bisect_left(sizes, max_num_seqs) + 1]
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= num_seqs; None when the batch is too large."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class PaddedDecode:
+    """A decode-only batch padded to its bucket, as host lists (one entry per row)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]  # bucket rows x width of the widest real table
+
+
+def pad_decode_batch(batch: Batch, bucket: int) -> PaddedDecode:
+    """Real rows copied as they are, then dummy rows: token 0 at position 0,
+    slot -1 (nothing stored), context 0 (attention output 0), block table of zeros."""
+    assert batch.is_decode_only and batch.num_seqs <= bucket
+    pad = bucket - batch.num_seqs
+    width = max(len(t) for t in batch.block_tables)
+    tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
+    return PaddedDecode(
+        token_ids=batch.token_ids + [0] * pad,
+        positions=batch.positions + [0] * pad,
+        slot_mapping=batch.slot_mapping + [-1] * pad,
+        context_lens=batch.context_lens + [0] * pad,
+        block_tables=tables + [[0] * width for _ in range(pad)],
+    )
+
+
+class DecodeBuffers:
+    """Static device inputs read by every captured graph (fixed addresses).
+
+    Graph for bucket b reads rows [:b]. Block-table columns past a batch's
+    widest table keep older values: always valid block ids, never read, since
+    the kernels stop at each row's context length.
+    """
+
+    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device):
+        def zeros(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(max_size, dtype=torch.long)
+        self.positions = zeros(max_size, dtype=torch.long)
+        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
+        self.context_lens = zeros(max_size, dtype=torch.int32)
+        self.block_tables = zeros(max_size, max_blocks_per_seq, dtype=torch.int32)
+        # One token per row, so the query offsets never change.
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+        self._pin = device.type == "cuda"
+
+    def load(self, padded: PaddedDecode) -> None:
+        bs, width = len(padded.token_ids), len(padded.block_tables[0])
+        for dst, values in ((self.input_ids[:bs], padded.token_ids),
+                            (self.positions[:bs], padded.positions),
+                            (self.slot_mapping[:bs], padded.slot_mapping),
+                            (self.context_lens[:bs], padded.context_lens),
+                            (self.block_tables[:bs, :width], padded.block_tables)):
+            src = torch.tensor(values, dtype=dst.dtype)
+            # Pinned and asynchronous: a pageable copy would stall the host on each tensor.
+            dst.copy_(src.pin_memory() if self._pin else src, non_blocking=True)
+
+    def attention_inputs(self, bs: int, max_context_len: int) -> AttentionInputs:
+        """Views of the first `bs` rows; the host lists describe capture time only."""
+        return AttentionInputs(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            context_lens=self.context_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_context_len=max_context_len,
+            query_lens_list=[1] * bs,
+            context_lens_list=[0] * bs,
+        )
+
+
+class GraphRunner:
+    """Captures one graph per bucket and replays the right one for a decode batch."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: TritonAttentionBackend,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        *,
+        sizes: list[int],
+        max_model_len: int,
+    ):
+        self.model, self.backend = model, backend
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.device = k_caches[0].device
+        max_blocks = -(-max_model_len // backend.block_size)
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, self.device)
+        hidden = model.config.hidden_size
+        dtype = model.embed_tokens.weight.dtype
+        # One output buffer for all graphs, outside the graph pool.
+        self.hidden = torch.zeros(self.sizes[-1], hidden, dtype=dtype, device=self.device)
+        self._replay: dict[int, Callable[[], object]] = {}
+        self._keep: list[object] = []  # per-bucket metadata (split workspaces) must outlive graphs
+        self._pool = None
+        self.replays = 0
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0  # device memory the capture took (CUDA only)
+
+    def num_splits(self, bs: int) -> int:
+        """Pinned per bucket for the longest context a row may reach."""
+        return choose_num_splits(bs, self.backend.num_kv_heads, self.max_model_len,
+                                 num_sms(self.device))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            self._pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
+            self._replay[bs] = self._capture_one(bs)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("Captured %d CUDA graphs for decode batch sizes %s in %.1f s; "
+                 "they take %.2f GiB of GPU memory", len(self.sizes), _span(self.sizes),
+                 self.capture_seconds, self.memory_bytes / GiB)
+
+    def _capture_one(self, bs: int) -> Callable[[], object]:
+        inputs = self.buffers.attention_inputs(bs, self.max_model_len)
+        meta = self.backend.prepare(inputs, num_splits=self.num_splits(bs))
+        self._keep.append(meta)
+        ctx = StepContext(self.backend, meta, self.k_caches, self.v_caches)
+        ids, positions = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
+        out = self.hidden[:bs]
+
+        def forward() -> None:
+            out.copy_(self.model(ids, positions, ctx))
+
+        return self._record(forward)
+
+    def _record(self, forward: Callable[[], None]) -> Callable[[], object]:
+        if self.device.type != "cuda":
+            return forward  # same buffers, same contract, no graph
+        # Warm-up outside capture: Triton compiles and cuBLAS picks algorithms here.
+        forward()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            forward()
+        return graph.replay
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.num_seqs <= self.sizes[-1] and batch.is_decode_only
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states [num_seqs, hidden] of a decode-only batch, by replay.
+
+        The result is a view of the shared output buffer: use it before the next replay.
+        """
+        bucket = bucket_for(batch.num_seqs, self.sizes)
+        self.buffers.load(pad_decode_batch(batch, bucket))
+        self._replay[bucket]()
+        self.replays += 1
+        return self.hidden[: batch.num_seqs]
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if len(sizes) > 2 else str(sizes)
