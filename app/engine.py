@@ -87,8 +87,7 @@ class AsyncEngine:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(period)
-            self.metrics.event_loop_lag.labels(self.model_name).observe(
-                max(0.0, time.perf_counter() - t0 - period))
+            self.metrics.lag.observe(max(0.0, time.perf_counter() - t0 - period))
 
     async def stop(self) -> None:
         if self._lag_task:
@@ -183,7 +182,7 @@ class AsyncEngine:
                 self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
                                      core.blocks.usage)
                 overhead = time.monotonic() - step_start - result.forward_seconds
-                self.metrics.step_overhead.labels(self.model_name).inc(max(0.0, overhead))
+                self.metrics.overhead.inc(max(0.0, overhead))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the model thread failed: fail every request, go red

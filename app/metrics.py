@@ -57,34 +57,48 @@ class Metrics:
                                      "Engine-step time outside the model forward", labels,
                                      registry=r)
         self.model = model_name
+        # Label children resolved once: `.labels()` per token would cost a dict lookup and a lock.
+        m = model_name
+        self._running = self.num_requests_running.labels(m)
+        self._waiting = self.num_requests_waiting.labels(m)
+        self._kv = self.kv_cache_usage_perc.labels(m)
+        self._preempt = self.num_preemptions.labels(m)
+        self._prompt = self.prompt_tokens.labels(m)
+        self._gen = self.generation_tokens.labels(m)
+        self._ttft = self.ttft.labels(m)
+        self._itl = self.itl.labels(m)
+        self._e2e = self.e2e.labels(m)
+        self._phases = (self.queue_time.labels(m), self.prefill_time.labels(m),
+                        self.decode_time.labels(m))
+        self.lag = self.event_loop_lag.labels(m)
+        self.overhead = self.step_overhead.labels(m)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self.num_requests_running.labels(self.model).set(running)
-        self.num_requests_waiting.labels(self.model).set(waiting)
-        self.kv_cache_usage_perc.labels(self.model).set(kv_usage)
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv.set(kv_usage)
 
     def add_tokens(self, prompt: int, generation: int, preemptions: int) -> None:
         if prompt:
-            self.prompt_tokens.labels(self.model).inc(prompt)
+            self._prompt.inc(prompt)
         if generation:
-            self.generation_tokens.labels(self.model).inc(generation)
+            self._gen.inc(generation)
         if preemptions:
-            self.num_preemptions.labels(self.model).inc(preemptions)
+            self._preempt.inc(preemptions)
 
     def observe_first_token(self, ttft: float) -> None:
-        self.ttft.labels(self.model).observe(ttft)
+        self._ttft.observe(ttft)
 
     def observe_itl(self, seconds: float) -> None:
-        self.itl.labels(self.model).observe(seconds)
+        self._itl.observe(seconds)
 
     def observe_finished(self, reason: str, e2e: float, queue: float | None,
                          prefill: float | None, decode: float | None) -> None:
         self.request_success.labels(self.model, reason).inc()
-        self.e2e.labels(self.model).observe(e2e)
-        for hist, value in ((self.queue_time, queue), (self.prefill_time, prefill),
-                            (self.decode_time, decode)):
+        self._e2e.observe(e2e)
+        for hist, value in zip(self._phases, (queue, prefill, decode)):
             if value is not None:
-                hist.labels(self.model).observe(value)
+                hist.observe(value)
