@@ -19,12 +19,15 @@ from app.engine_core import EngineCore
 from app.metrics import Metrics
 from app.outputs import RequestOutput
 from app.sampling_params import SamplingParams
+from app.scheduler import SchedulerOutput
 from app.stats_logger import StatsLogger
 
 log = logging.getLogger("ridgeline.engine")
 
 # /health turns red when a step has been running longer than this.
 STEP_STALL_SECONDS = 60.0
+# Streams woken per loop iteration when a step's outputs are handed out.
+DISPATCH_CHUNK = 16
 
 
 class EngineDead(RuntimeError):
@@ -152,37 +155,37 @@ class AsyncEngine:
     # -- the loop -------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        """Step forever. The next step is posted before this step's outputs are sent,
+        so the model thread computes while the loop streams (the next batch depends
+        only on the scheduler, which `process` has already updated)."""
         core = self.core
+        in_flight: tuple[SchedulerOutput, asyncio.Future] | None = None
         try:
             while True:
-                if not core.has_work:
-                    self._update_gauges()
-                    self.stats.maybe_log(0, 0, core.blocks.usage)
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                scheduled = core.schedule()
-                if scheduled is None:
-                    await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
-                    continue
-                out, batch = scheduled
-                self.step_started = step_start = time.monotonic()
-                result = await asyncio.wrap_future(core.worker.submit(batch))
-                self.step_started = None
+                if in_flight is None:
+                    if not core.has_work:
+                        self._update_gauges()
+                        self.stats.maybe_log(0, 0, core.blocks.usage)
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    in_flight = self._submit_next()
+                    if in_flight is None:
+                        await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
+                        continue
+                out, future = in_flight
+                result = await future
+                got_result = time.monotonic()
                 prompt_before, gen_before = core.stats.prompt_tokens, core.stats.generation_tokens
                 outputs = core.process(out, result)
-                self._dispatch(outputs)
-                preempt = core.scheduler.num_preemptions - self._last_preemptions
-                self._last_preemptions = core.scheduler.num_preemptions
-                prompt = core.stats.prompt_tokens - prompt_before
-                gen = core.stats.generation_tokens - gen_before
-                self.metrics.add_tokens(prompt, gen, preempt)
-                self.stats.record(prompt, gen, preempt)
-                self._update_gauges()
-                self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
-                                     core.blocks.usage)
-                overhead = time.monotonic() - step_start - result.forward_seconds
-                self.metrics.overhead.inc(max(0.0, overhead))
+                in_flight = self._submit_next() if core.has_work else None
+                if in_flight is None:
+                    self.step_started = None
+                # The model thread waited for the loop this long between two steps.
+                self.metrics.overhead.inc(time.monotonic() - got_result)
+                self._account(core.stats.prompt_tokens - prompt_before,
+                              core.stats.generation_tokens - gen_before)
+                await self._dispatch(outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the model thread failed: fail every request, go red
@@ -192,23 +195,46 @@ class AsyncEngine:
             log.exception("engine loop stopped")
             self._fail_all(EngineDead(f"engine failed: {e!r}"))
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            m = out.metrics
-            if stream.last_token_time is None:
-                if m and m.ttft is not None:
-                    self.metrics.observe_first_token(m.ttft)
-            else:
-                self.metrics.observe_itl(now - stream.last_token_time)
-            stream.last_token_time = now
-            if out.finished:
-                del self._streams[out.request_id]
-                self._observe_finished(out)
-            stream.queue.put_nowait(out)
+    def _submit_next(self) -> tuple[SchedulerOutput, asyncio.Future] | None:
+        scheduled = self.core.schedule()
+        if scheduled is None:
+            return None
+        out, batch = scheduled
+        self.step_started = time.monotonic()
+        return out, asyncio.wrap_future(self.core.worker.submit(batch))
+
+    def _account(self, prompt: int, gen: int) -> None:
+        core = self.core
+        preempt = core.scheduler.num_preemptions - self._last_preemptions
+        self._last_preemptions = core.scheduler.num_preemptions
+        self.metrics.add_tokens(prompt, gen, preempt)
+        self.stats.record(prompt, gen, preempt)
+        self._update_gauges()
+        self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
+                             core.blocks.usage)
+
+    async def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams in chunks, yielding to the loop in between, so
+        that hundreds of SSE writes do not hold up timers and new connections."""
+        for i in range(0, len(outputs), DISPATCH_CHUNK):
+            if i:
+                await asyncio.sleep(0)
+            now = time.monotonic()
+            for out in outputs[i : i + DISPATCH_CHUNK]:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # aborted meanwhile
+                    continue
+                m = out.metrics
+                if stream.last_token_time is None:
+                    if m and m.ttft is not None:
+                        self.metrics.observe_first_token(m.ttft)
+                else:
+                    self.metrics.observe_itl(now - stream.last_token_time)
+                stream.last_token_time = now
+                if out.finished:
+                    del self._streams[out.request_id]
+                    self._observe_finished(out)
+                stream.queue.put_nowait(out)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -25,7 +25,7 @@ from gpu.runner import RunnerSpec
 from gpu.worker import Worker
 from models.config import LlamaConfig
 from models.resolve import resolve_model
-from models.tokenizer import load_tokenizer
+from models.tokenizer import FastDecoder, load_tokenizer
 
 log = logging.getLogger("ridgeline.engine")
 
@@ -62,6 +62,7 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_config = LlamaConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._decoder = FastDecoder(self.tokenizer)
         self.max_model_len = self._resolve_max_model_len(config)
         self.scheduler_config = replace(config.scheduler, max_model_len=self.max_model_len)
         self.eos_token_ids = self._eos_ids()
@@ -152,7 +153,7 @@ class EngineCore:
         tracked = _Tracked(
             req,
             IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
+                self._decoder, req.prompt_token_ids, params.skip_special_tokens
             ),
             StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
             [] if params.logprobs is not None else None,

@@ -224,3 +224,14 @@ def test_no_stops_passes_through():
 def test_empty_stop_rejected():
     with pytest.raises(ValueError):
         StopStringMatcher(["ok", ""])
+
+
+def test_fast_decoder_matches_transformers_decode(tokenizer):
+    from models.tokenizer import FastDecoder
+
+    fast = FastDecoder(tokenizer)
+    ids = tokenizer.encode("naïve café 日本語 👍🏽 <|im_end|> ok", add_special_tokens=False)
+    for skip in (True, False):
+        for cut in range(1, len(ids) + 1):
+            assert fast.decode(ids[:cut], skip_special_tokens=skip) == tokenizer.decode(
+                ids[:cut], skip_special_tokens=skip, clean_up_tokenization_spaces=False)
