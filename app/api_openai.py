@@ -33,6 +33,10 @@ from app.sampling_params import SamplingParams
 from models.tokenizer import apply_chat_template
 
 
+class ClientDisconnected(Exception):
+    """The client closed the connection before a non-streamed result was ready."""
+
+
 def _engine(request: Request) -> AsyncEngine:
     return request.app.state.ridgeline.engine
 
@@ -115,7 +119,7 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
         watcher.cancel()
         return task.result()
     task.cancel()  # the client left: the streams' finally blocks abort their requests
-    raise asyncio.CancelledError("client disconnected")
+    raise ClientDisconnected()
 
 
 def _sse(events: AsyncIterator[dict]) -> EventSourceResponse:
@@ -267,23 +271,26 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
     params = parse(SamplingParams, sp, prefix="sampling_params")
     (stream,) = _queue_all(engine, [ids], params, 0, req.rid)
 
-    def result(out: RequestOutput, text: str) -> dict:
+    def result(out: RequestOutput, text: str, output_ids: list[int]) -> dict:
         reason = None
         if out.finished:
             reason = {"type": out.finish_reason, "matched": out.stop_reason}
-        return {"text": text, "output_ids": list(out.token_ids), "meta_info": {
+        return {"text": text, "output_ids": output_ids, "meta_info": {
             "id": out.request_id, "prompt_tokens": len(ids),
-            "completion_tokens": len(out.token_ids), "finish_reason": reason}}
+            "completion_tokens": len(output_ids), "finish_reason": reason}}
 
     if req.stream:
         async def events() -> AsyncIterator[dict]:
-            text = ""
+            text, output_ids = "", []
             async for _, out in _merge([stream]):
-                text += out.delta_text  # SGLang streams the cumulative text
-                yield result(out, text)
+                # SGLang streams cumulative text; build it from the deltas, since the
+                # request's live token list may already be ahead of this event.
+                text += out.delta_text
+                output_ids += out.delta_token_ids
+                yield result(out, text, list(output_ids))
         return _sse(events())
     (out,) = await _collect(request, [stream])
-    return JSONResponse(result(out, out.text))
+    return JSONResponse(result(out, out.text, list(out.token_ids)))
 
 
 ROUTES: dict[str, Callable] = {

@@ -1,8 +1,9 @@
 """AsyncEngine: the engine loop on the event loop, one asyncio queue per request.
 
-One task runs `schedule → post the Batch to the model thread → await its
-result (the loop keeps serving HTTP) → process → push deltas`. It sleeps when
-there is no work and wakes on the next arrival. A consumer that goes away
+One task runs `await the step's result (the loop keeps serving HTTP) →
+process → schedule and post the next Batch → push this step's deltas`, so the
+model thread computes while the loop streams. It sleeps when there is no work
+and wakes on the next arrival. A consumer that goes away
 (CancelledError / GeneratorExit) aborts its request at once; blocks of a step
 in flight are freed when that step returns (the scheduler defers them).
 """
@@ -10,15 +11,15 @@ in flight are freed when that step returns (the scheduler defers them).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from app.engine_core import EngineCore
 from app.metrics import Metrics
 from app.outputs import RequestOutput
-from app.sampling_params import SamplingParams
+from app.sampling_params import InvalidParameter, SamplingParams
 from app.scheduler import SchedulerOutput
 from app.stats_logger import StatsLogger
 
@@ -73,7 +74,6 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lag_task: asyncio.Task | None = None
-        self._ids = itertools.count()
         self.dead: BaseException | None = None
         self.step_started: float | None = None
         self._last_preemptions = 0
@@ -124,9 +124,9 @@ class AsyncEngine:
         """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously."""
         if self.dead is not None:
             raise EngineDead(f"engine is not running: {self.dead!r}")
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise InvalidParameter("request_id", f"request id {rid!r} is already in use")
         self.core.add_request(rid, prompt_token_ids, params, priority)
         stream = RequestStream(self, rid)
         self._streams[rid] = stream
@@ -140,17 +140,19 @@ class AsyncEngine:
             yield out
 
     def abort(self, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
+        """Abort a live request. One that already finished keeps its stream: its final
+        output may still be waiting to be dispatched, and its consumer must get it."""
         out = self.core.abort(request_id)
-        if out is not None:
-            self.metrics.request_success.labels(self.model_name, "abort").inc()
-            log.info("request aborted", extra={"request_id": request_id})
+        if out is None:
+            return False
+        self.metrics.request_success.labels(self.model_name, "abort").inc()
+        log.info("request aborted", extra={"request_id": request_id})
+        stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             stream.finished = True
-            if out is not None:
-                stream.queue.put_nowait(out)
+            stream.queue.put_nowait(out)
         self._update_gauges()
-        return out is not None
+        return True
 
     # -- the loop -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ loop), and only `Batch`/`StepResult` cross to the model thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -120,6 +121,11 @@ class EngineCore:
             raise InvalidParameter(
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
             )
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it would index the logits row on the model thread
+            raise InvalidParameter(
+                "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
         if n >= self.max_model_len:
             raise InvalidParameter(
                 "prompt",
@@ -206,8 +212,6 @@ class EngineCore:
             if seq.samples:
                 sample_idx.append(i)
                 rows.append(self._sampling_row(req))
-            else:
-                self.stats.prompt_tokens += n
         return Batch(token_ids, positions, slots, qlens, ctx_lens, tables, sample_idx, rows,
                      self._step_id)
 
@@ -231,8 +235,8 @@ class EngineCore:
         now = time.monotonic()
         self.stats.steps += 1
         self.stats.last_step_end = now
-        for seq in out.seqs:  # prefill tokens of the final chunk count as prompt tokens
-            if seq.samples and seq.num_new_tokens > 1:
+        for seq in out.seqs:  # every token but a decode step's one input is a prefill token
+            if not seq.samples or seq.start < seq.request.num_prompt_tokens:
                 self.stats.prompt_tokens += seq.num_new_tokens
         logprobs_by_req = {}
         if result.logprobs:
@@ -261,6 +265,9 @@ class EngineCore:
             if token in p.stop_token_ids:
                 tracked.stop_reason = token
             delta = ""  # the stop token itself is not text
+        elif req.num_output_tokens <= p.min_tokens:
+            # Like vLLM, stop strings only count once min_tokens are out; text passes as is.
+            delta, matched = tracked.detok.add(token), False
         else:
             delta, matched = tracked.stop.feed(tracked.detok.add(token))
             if matched:
@@ -308,7 +315,16 @@ class EngineCore:
         if scheduled is None:
             return []
         out, batch = scheduled
-        return self.process(out, self.worker.submit(batch).result())
+        future = self.worker.submit(batch)
+        try:
+            result = future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: wait until the model thread is done with the
+            # step's blocks, then let aborts free them at once.
+            concurrent.futures.wait([future])
+            self.scheduler.release_in_flight()
+            raise
+        return self.process(out, result)
 
     def check_invariants(self) -> None:
         """Block pool invariant plus: every owner of blocks is a live running request."""

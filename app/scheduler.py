@@ -69,11 +69,9 @@ class Scheduler:
         """Take the request out at once; its blocks go back now or after the step in flight."""
         if request.is_finished:
             return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
-        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.finish(request, RequestStatus.FINISHED_ABORTED)  # leaves `running` too
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         assert status.finished
@@ -152,10 +150,7 @@ class Scheduler:
             if token is not None:
                 req.output_token_ids.append(token)
                 got_token.append(req)
-        self._in_flight.clear()
-        for rid in self._free_after_step:
-            self.blocks.free(rid)
-        self._free_after_step.clear()
+        self.release_in_flight()
         return got_token
 
     @staticmethod

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ class State:
         self.model_names: list[str] = []
         self.draining = False
         self.load_error: BaseException | None = None
+        self.on_load_failure: Callable[[], None] | None = None
 
 
 def build_app(config: EngineConfig, settings: ServerSettings,
@@ -93,6 +95,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         if state.draining:
             raise APIError(503, "server is shutting down", type_="service_unavailable",
                            headers={"Retry-After": str(settings.retry_after_seconds)})
+        if state.load_error is not None:
+            raise APIError(500, f"model failed to load: {state.load_error}", type_="server_error")
         if state.engine is None:
             raise APIError(503, "model is still loading", type_="service_unavailable",
                            headers={"Retry-After": str(settings.retry_after_seconds)})
@@ -110,11 +114,11 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             raise APIError(401, "missing or invalid API key", None, "authentication_error",
                            "invalid_api_key")
 
-    def endpoint(handler, needs_body: bool = True, auth: bool = True):
+    def endpoint(handler, needs_body: bool = True):
+        """Every route but /health and /metrics: API key, readiness, body, error mapping."""
         async def route(request: Request) -> Response:
             try:
-                if auth:
-                    authorize(request)
+                authorize(request)
                 ready_engine(request)
                 body = await read_json(request, settings.max_body_bytes) if needs_body else None
                 return await handler(request, body)
@@ -128,6 +132,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                                        {"Retry-After": str(settings.retry_after_seconds)}))
             except EngineDead as e:
                 return _error(APIError(503, str(e), None, "service_unavailable"))
+            except api_openai.ClientDisconnected:
+                return Response(status_code=499)  # nobody is listening; nginx's code for it
         return route
 
     async def health(request: Request) -> Response:
@@ -175,11 +181,11 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", endpoint(models, needs_body=False), methods=["GET"]),
-        Route("/tokenize", endpoint(tokenize, auth=False), methods=["POST"]),
-        Route("/detokenize", endpoint(detokenize, auth=False), methods=["POST"]),
-        Route("/abort_request", endpoint(abort_request, auth=False), methods=["POST"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+        Route("/abort_request", endpoint(abort_request), methods=["POST"]),
     ] + [
-        Route(path, endpoint(h, auth=path.startswith("/v1/")), methods=["POST"])
+        Route(path, endpoint(h), methods=["POST"])
         for path, h in api_openai.ROUTES.items()
     ]
 
@@ -197,7 +203,9 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         except BaseException as e:
             state.load_error = e
             log.exception("model failed to load")
-            raise
+            if state.on_load_failure is not None:
+                state.on_load_failure()  # the server exits non-zero instead of idling unhealthy
+            return
         engine = AsyncEngine(built, settings.served_model_name or _default_name(config),
                              settings.log_stats_interval)
         engine.start()
@@ -233,9 +241,10 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
                                            http="httptools", log_config=None,
                                            timeout_graceful_shutdown=5), app, settings)
+    app.state.ridgeline.on_load_failure = lambda: setattr(server, "should_exit", True)
     log.info("serving", extra={"host": args.host, "port": args.port})
     server.run()
-    return 0
+    return 1 if app.state.ridgeline.load_error is not None else 0
 
 
 class DrainingServer:

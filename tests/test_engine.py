@@ -133,6 +133,16 @@ def test_stop_strings_ids_min_max_tokens(tiny_dir, prompts, expected):
                                                     stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert len(out.token_ids) >= 8 and stop_id not in out.token_ids[:7]
 
+    # Like vLLM, stop strings do not count before min_tokens.
+    first = tok.decode(ids[:1])
+    out = llm.generate([prompts[4]], SamplingParams(max_tokens=32, temperature=0, stop=[first],
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 1 and out.text == ""
+    out = llm.generate([prompts[4]], SamplingParams(max_tokens=32, min_tokens=10, temperature=0,
+                                                    stop=[first], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) >= 10 and out.text.startswith(first)
+
     # max_tokens
     out = llm.generate([prompts[4]], SamplingParams(max_tokens=5, temperature=0),
                        use_tqdm=False)[0]

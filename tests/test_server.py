@@ -109,6 +109,9 @@ def test_openai_client_completions_chat_streaming_usage(server):
          "sampling_params.temperature"),
         ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, 400, "sampling_params"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 1,
+                                                        "stop_token_ids": [99999999]}}, 400,
+         "stop_token_ids"),
     ],
 )
 def test_bad_input_table(server, path, body, status, param):
@@ -143,6 +146,9 @@ def test_api_key(tiny_dir):
         assert ok.status_code == 200
         assert httpx.get(srv.url + "/health").status_code == 200
         assert httpx.get(srv.url + "/metrics").status_code == 200
+        for path, payload in (("/generate", {"text": "hi"}), ("/abort_request", {"rid": "x"}),
+                              ("/tokenize", {"prompt": "hi"})):
+            assert httpx.post(srv.url + path, json=payload).status_code == 401, path
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret")
         assert client.models.list().data[0].id == "tiny"
     finally:
