@@ -9,6 +9,7 @@ request gets a 4xx status, never a broken stream. Streams are SSE (`data:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -71,8 +72,11 @@ def _queue_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingPa
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams; leaving early aborts them all."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        # aclosing: when our consumer leaves, close the stream now (its finally aborts
+        # the request) rather than whenever the generator is collected.
+        async with contextlib.aclosing(aiter(streams[0])) as outputs:
+            async for out in outputs:
+                yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -125,8 +129,9 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
 def _sse(events: AsyncIterator[dict]) -> EventSourceResponse:
     async def body() -> AsyncIterator[dict]:
         try:
-            async for event in events:
-                yield {"data": json.dumps(event, separators=(",", ":"))}
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield {"data": json.dumps(event, separators=(",", ":"))}
         except asyncio.CancelledError:
             raise
         except Exception as e:  # after the 200: tell the client in-band, then end

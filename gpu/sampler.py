@@ -88,11 +88,10 @@ class Sampler:
             sorted_p = sorted_p.masked_fill(sorted_p < min_p[:, None] * sorted_p[:, :1], 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (unnormalised is fine).
-        noise = torch.empty_like(probs)
+        # Unseeded rows share one draw (one kernel); each seeded row draws on its own.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
-            if r.seed is None:
-                noise[i].exponential_(generator=self.generator)
-            else:
+            if r.seed is not None:
                 g = torch.Generator(device=dev)
                 g.manual_seed(row_seed(r.seed, r.output_index))
                 noise[i].exponential_(generator=g)
