@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -87,3 +88,20 @@ def tiny_config(model_dir, max_model_len: int = 256, **scheduler) -> EngineConfi
         max_model_len=max_model_len,
         scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache),
     )
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    pattern = rf"^ridgeline:{name}(\{{[^}}]*{labels}[^}}]*\}})? ([0-9.e+-]+)$"
+    values = [float(m.group(2)) for m in re.finditer(pattern, text, re.M)]
+    assert values, f"metric {name} {labels} not found"
+    return sum(values)
+
+
+def assert_idle_and_clean(srv: ServerThread) -> None:
+    text = httpx.get(srv.url + "/metrics").text
+    assert metric(text, "num_requests_running") == 0
+    assert metric(text, "num_requests_waiting") == 0
+    assert metric(text, "kv_cache_usage_perc") == 0
+    srv.call(srv.engine.core.check_invariants)
+    core = srv.engine.core
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks

@@ -23,14 +23,7 @@ from app.client import (
     AsyncClient,
     parse_retry_after,
 )
-from tests.server_harness import ServerThread, tiny_config
-from tests.test_server import assert_idle_and_clean, metric
-from tests.tiny_model import make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
+from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
 
 
 @pytest.fixture(scope="module")

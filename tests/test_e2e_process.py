@@ -11,10 +11,8 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from tests.server_harness import free_port
-from tests.tiny_model import make_tiny_llama
 
 
 def start(*args: str) -> tuple[subprocess.Popen, str]:
@@ -57,11 +55,6 @@ def test_default_model_answers_and_logs_memory_plan():
 
 def _read_events(resp) -> list[str]:
     return [line[5:].strip() for line in resp.iter_lines() if line.startswith("data:")]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
 
 
 def test_sigterm_lets_in_flight_finish_then_exits_zero(tiny_dir):

@@ -8,14 +8,8 @@ import torch
 from app import LLM, SamplingParams
 from app.sampling_params import InvalidParameter
 from tests.hf_reference import hf_greedy
-from tests.tiny_model import make_tiny_llama
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 26, 33, 41]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

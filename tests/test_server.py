@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 
 import aiohttp
 import httpx
@@ -17,13 +16,7 @@ import openai
 import pytest
 
 from app.server import ServerSettings
-from tests.server_harness import ServerThread, tiny_config
-from tests.tiny_model import make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
+from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -31,23 +24,6 @@ def server(tiny_dir):
     srv = ServerThread(tiny_config(tiny_dir, max_num_seqs=16)).start()
     yield srv
     srv.stop()
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    pattern = rf"^ridgeline:{name}(\{{[^}}]*{labels}[^}}]*\}})? ([0-9.e+-]+)$"
-    values = [float(m.group(2)) for m in re.finditer(pattern, text, re.M)]
-    assert values, f"metric {name} {labels} not found"
-    return sum(values)
-
-
-def assert_idle_and_clean(srv: ServerThread) -> None:
-    text = httpx.get(srv.url + "/metrics").text
-    assert metric(text, "num_requests_running") == 0
-    assert metric(text, "num_requests_waiting") == 0
-    assert metric(text, "kv_cache_usage_perc") == 0
-    srv.call(srv.engine.core.check_invariants)
-    core = srv.engine.core
-    assert core.blocks.num_free_blocks == core.blocks.num_blocks
 
 
 def test_openai_client_completions_chat_streaming_usage(server):
