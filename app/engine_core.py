@@ -267,7 +267,7 @@ class EngineCore:
             delta = ""  # the stop token itself is not text
         elif req.num_output_tokens <= p.min_tokens:
             # Like vLLM, stop strings only count once min_tokens are out; text passes as is.
-            delta, matched = tracked.detok.add(token), False
+            delta = tracked.detok.add(token)
         else:
             delta, matched = tracked.stop.feed(tracked.detok.add(token))
             if matched:
@@ -280,7 +280,8 @@ class EngineCore:
         if status is not None and not tracked.stop.matched:
             tail, matched = tracked.stop.feed(tracked.detok.flush())
             delta += tail if matched else tail + tracked.stop.flush()
-            if matched:
+            if matched:  # the held-back tail completed a stop string after all
+                status = RequestStatus.FINISHED_STOPPED
                 tracked.stop_reason = tracked.stop.matched_stop
         if status is None:
             return self._output(tracked, delta, [token], finished=False)
