@@ -173,8 +173,10 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
             n_out = [0] * len(streams)
             async for i, out in _merge(streams):
                 n_out[i] = len(out.token_ids)
-                if out.delta_text or out.finished:
-                    yield chunk([{"index": i, "text": out.delta_text, "logprobs": None,
+                if out.delta_text or out.finished or req.logprobs is not None:
+                    lp = (_completion_logprobs(tok, out, delta_only=True)
+                          if req.logprobs is not None else None)
+                    yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None,
                                   "stop_reason": out.stop_reason if out.finished else None}])
             if req.include_usage:
@@ -190,13 +192,29 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
     return JSONResponse(chunk(choices, usage=usage(sum(map(len, prompts)), n_out)))
 
 
-def _completion_logprobs(tok, out: RequestOutput) -> dict:
-    entries = out.logprobs or []
+def _logprob_entries(out: RequestOutput, delta_only: bool) -> list[tuple[int, tuple | None]]:
+    """(token id, (logprob, top pairs)) for the whole output or just this delta."""
+    if delta_only:  # a snapshot: the live lists may already be ahead of this event
+        return list(zip(out.delta_token_ids, out.delta_logprobs or []))
+    return list(zip(out.token_ids, out.logprobs or []))
+
+
+def _completion_logprobs(tok, out: RequestOutput, delta_only: bool = False) -> dict:
+    entries = _logprob_entries(out, delta_only)
     return {
-        "tokens": [tok.decode([t]) for t in out.token_ids],
-        "token_logprobs": [e[0] if e else None for e in entries],
-        "top_logprobs": [{tok.decode([t]): lp for t, lp in e[1]} if e else None for e in entries],
+        "tokens": [tok.decode([t]) for t, _ in entries],
+        "token_logprobs": [e[0] if e else None for _, e in entries],
+        "top_logprobs": [{tok.decode([t]): lp for t, lp in e[1]} if e else None
+                         for _, e in entries],
     }
+
+
+def _chat_logprobs(tok, out: RequestOutput, delta_only: bool = False) -> dict:
+    return {"content": [
+        {"token": tok.decode([t]), "logprob": e[0] if e else None,
+         "top_logprobs": [{"token": tok.decode([i]), "logprob": lp} for i, lp in e[1]]
+         if e else []}
+        for t, e in _logprob_entries(out, delta_only)]}
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------
@@ -230,9 +248,10 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
             n_out = 0
             async for _, out in _merge(streams):
                 n_out = len(out.token_ids)
-                if out.delta_text or out.finished:
+                if out.delta_text or out.finished or req.logprobs:
                     delta = {"content": out.delta_text} if out.delta_text else {}
-                    yield chunk([{"index": 0, "delta": delta, "logprobs": None,
+                    lp = _chat_logprobs(tok, out, delta_only=True) if req.logprobs else None
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None,
                                   "stop_reason": out.stop_reason if out.finished else None}])
             if req.include_usage:
@@ -240,13 +259,7 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
         return _sse(events())
 
     (out,) = await _collect(request, streams)
-    logprobs = None
-    if req.logprobs:
-        logprobs = {"content": [
-            {"token": tok.decode([t]), "logprob": e[0] if e else None,
-             "top_logprobs": [{"token": tok.decode([i]), "logprob": lp} for i, lp in e[1]]
-             if e else []}
-            for t, e in zip(out.token_ids, out.logprobs or [])]}
+    logprobs = _chat_logprobs(tok, out) if req.logprobs else None
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},

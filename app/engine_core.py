@@ -305,6 +305,8 @@ class EngineCore:
             finish_reason=req.status.finish_reason if finished else None,
             stop_reason=tracked.stop_reason,
             logprobs=tracked.logprobs,
+            delta_logprobs=(tracked.logprobs[-len(delta_ids):]
+                            if tracked.logprobs is not None and delta_ids else None),
             metrics=RequestMetrics(req.times.arrival, req.times.first_scheduled,
                                    req.times.first_token, req.times.finished,
                                    req.num_preemptions),

@@ -36,5 +36,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list | None = None  # per generated token: (logprob, [(id, logprob), ...])
+    delta_logprobs: list | None = None  # the entries for delta_token_ids only
     metrics: RequestMetrics | None = None
     error: str | None = None

@@ -281,3 +281,22 @@ def test_native_endpoints(server):
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(last["output_ids"]) < 200
     assert_idle_and_clean(server)
+
+
+def test_logprobs_streamed_equal_non_streamed(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+              temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for ch in client.chat.completions.create(stream=True, **kw) if ch.choices
+                and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(whole) == 6 and len(streamed) == 6
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in whole]
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in whole)
+    assert whole[0].logprob == pytest.approx(whole[0].top_logprobs[0].logprob)  # greedy: top-1
+
+    body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    c = httpx.post(server.url + "/v1/completions", json=body).json()
+    lp = c["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
