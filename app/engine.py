@@ -28,7 +28,7 @@ log = logging.getLogger("ridgeline.engine")
 # /health turns red when a step has been running longer than this.
 STEP_STALL_SECONDS = 60.0
 # Streams woken per loop iteration when a step's outputs are handed out.
-DISPATCH_CHUNK = 16
+DISPATCH_CHUNK = 8
 
 
 class EngineDead(RuntimeError):
