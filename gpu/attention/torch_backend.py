@@ -35,7 +35,7 @@ class _Group:
     valid: torch.Tensor  # [B, Q] which query entries are real
     num_seqs: int
     max_query_len: int
-    max_context_len: int
+    max_context_len: int  # L: the longest context, rounded up to whole blocks
     identity: bool  # the group is every row of the batch, in order, one token each
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
