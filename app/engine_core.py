@@ -307,9 +307,11 @@ class EngineCore:
             logprobs=tracked.logprobs,
             delta_logprobs=(tracked.logprobs[-len(delta_ids):]
                             if tracked.logprobs is not None and delta_ids else None),
+            # Timings matter at the first token (TTFT) and at the end; not built per token.
             metrics=RequestMetrics(req.times.arrival, req.times.first_scheduled,
                                    req.times.first_token, req.times.finished,
-                                   req.num_preemptions),
+                                   req.num_preemptions)
+            if finished or req.num_output_tokens == 1 else None,
         )
 
     def step(self) -> list[RequestOutput]:

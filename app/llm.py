@@ -38,8 +38,10 @@ class LLM:
         seed: int = 0,
         device: str = "auto",
         attention_backend: str = "auto",
+        config: EngineConfig | None = None,
     ):
-        config = EngineConfig(
+        """Keyword arguments build the EngineConfig; `config` passes a ready one instead."""
+        config = config or EngineConfig(
             model=model,
             dtype=dtype,
             device=device,
@@ -62,10 +64,7 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        llm = cls.__new__(cls)
-        llm.engine = EngineCore(config)
-        llm._ids = itertools.count()
-        return llm
+        return cls(config=config)
 
     @property
     def tokenizer(self):
