@@ -9,63 +9,42 @@ import argparse
 import os
 import sys
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from app.config import EngineConfig, ServerSettings, setting_fields
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_settings(p: argparse.ArgumentParser, *classes: type, title: str) -> None:
+    """One flag per config field: name, type, default, choices and help come from the field."""
+    g = p.add_argument_group(title)
+    for f, default in setting_fields(*classes):
+        meta = f.metadata
+        flags = meta["flags"] or ("--" + f.name.replace("_", "-"),)
+        kind = str(f.type).replace(" | None", "")
+        shown = "" if default is None else f" (default: {default})"
+        if kind == "bool":
+            action = "store_true" if not default else argparse.BooleanOptionalAction
+            g.add_argument(*flags, dest=f.name, action=action, default=default,
+                           help=meta["help"])
+            continue
+        g.add_argument(*flags, dest=f.name, type=_TYPES.get(kind, str), default=default,
+                       choices=meta["choices"], help=meta["help"] + shown)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int,
-                   default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes (e.g. 2GiB); CPU default 1GiB")
-    g.add_argument("--num-gpu-blocks-override", dest="num_blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", "--mem-fraction-static",
-                   dest="gpu_memory_utilization", type=float, default=0.9)
-    g.add_argument("--max-queued-requests", type=int, default=None)
-    g.add_argument("--preemption-policy", default="newest",
-                   choices=["newest", "priority", "length"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    add_settings(p, EngineConfig, title="engine")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model,
-        served_model_name=getattr(a, "served_model_name", None),
-        dtype=a.dtype,
-        device=a.device,
-        seed=a.seed,
-        enforce_eager=a.enforce_eager,
-        attention_backend=a.attention_backend,
-        max_model_len=a.max_model_len,
-        scheduler=SchedulerConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            max_queued_requests=a.max_queued_requests,
-            preemption_policy=a.preemption_policy,
-        ),
-        cache=CacheConfig(
-            block_size=a.block_size,
-            kv_cache_memory=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            num_blocks_override=a.num_blocks,
-        ),
-    )
+    names = {f.name for f, _ in setting_fields(EngineConfig)}
+    return EngineConfig.from_kwargs(**{k: v for k, v in vars(a).items() if k in names})
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from app.engine.sampling_params import SamplingParams
     from app.llm import LLM
-    from app.sampling_params import SamplingParams
 
-    llm = LLM.from_config(engine_config_from_args(a))
+    llm = LLM(config=engine_config_from_args(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             seed=a.sampling_seed)
     if a.chat:
@@ -87,19 +66,19 @@ def cmd_export(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from app.server import run_server
 
-    return run_server(a, engine_config_from_args(a))
+    return run_server(engine_config_from_args(a), ServerSettings.from_kwargs(**vars(a)))
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.bench_cmd == "throughput":
-        from app.bench_throughput import run
+        from app.bench.throughput import run
 
         return run(a, engine_config_from_args(a))
     if a.bench_cmd == "overhead":
-        from app.bench_overhead import run as run_overhead
+        from app.bench.overhead import run as run_overhead
 
         return run_overhead(a)
-    from app.bench_serve import run as run_serve
+    from app.bench.serve import run as run_serve
 
     return run_serve(a)
 
@@ -110,13 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
-    s.add_argument("--host", default=os.environ.get("RIDGELINE_HOST", "127.0.0.1"))
-    s.add_argument("--port", type=int, default=int(os.environ.get("RIDGELINE_PORT", "8000")))
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--api-key", default=os.environ.get("RIDGELINE_API_KEY"))
-    s.add_argument("--log-stats-interval", type=float, default=10.0)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0)
-    s.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    add_settings(s, ServerSettings, title="server")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="complete one prompt and print it")
@@ -191,10 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from app.logging_setup import configure_logging
-
-    configure_logging()
     args = build_parser().parse_args(argv)
+    if args.cmd != "bench" or args.bench_cmd != "serve":
+        # The engine's commands log through structlog, which the light client install
+        # (`bench serve` only) does not have.
+        from app.logging_setup import configure_logging
+
+        configure_logging()
     return args.func(args)
 
 

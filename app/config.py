@@ -1,15 +1,26 @@
-"""Engine configuration: small frozen dataclasses validated on construction.
+"""Every setting, written once: small frozen dataclasses validated on construction.
+
+A default lives here and nowhere else. The CLI builds its flags from these fields
+(`cli.py` reads name, type, default and help from them), the offline `LLM(**kwargs)`
+and `EngineConfig.from_kwargs(**flat)` route flat names into the nested dataclasses
+by field name (the names are vLLM's flag names), and the model thread's
+`RunnerSpec.from_config(config.flat())` picks the fields it needs by name. Adding a
+setting means adding a field here and reading it where it is used.
 
 A bad value fails at start, naming the value and the limit, not deep in a step.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 PREEMPTION_POLICIES = ("newest", "priority", "length")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MAX_MODEL_LEN = 4096  # cap for models whose context is larger, unless asked
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -27,69 +38,173 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def setting(default: Any = None, help: str = "", *, flags: tuple[str, ...] = (),
+            choices: tuple[str, ...] | None = None, env: str | None = None,
+            cli: bool = True) -> Any:
+    """A config field with what the CLI needs to offer it as a flag.
+
+    `flags` replaces the default `--field-name` (first entry) and adds aliases (vLLM
+    names first, SGLang's spellings after); `env` names a variable whose value, when
+    set, is the default.
+    """
+    meta = {"help": help, "flags": flags, "choices": choices, "env": env, "cli": cli}
+    if env is not None:
+        return field(default_factory=lambda: _from_env(env, default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _from_env(name: str, default: Any) -> Any:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return type(default)(value) if default is not None else value
+
+
+def _positive(name: str, value: int | float | None, minimum: int | float = 1) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    max_queued_requests: int | None = None  # None: unbounded
-    preemption_policy: str = "newest"
+    max_model_len: int | None = setting(
+        None, "longest prompt + output in tokens (default: the model's context, capped at "
+        f"{DEFAULT_MAX_MODEL_LEN})")
+    max_num_seqs: int = setting(256, "most requests in one batch",
+                                flags=("--max-num-seqs", "--max-running-requests"))
+    max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks "
+                                          "and decodes together)")
+    max_queued_requests: int | None = setting(None, "waiting requests beyond which new ones "
+                                              "get 503 (default: unbounded)")
+    preemption_policy: str = setting("newest", "which running request gives up its KV blocks "
+                                     "when the pool is full", choices=PREEMPTION_POLICIES)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len, 2)
+        _positive("max_queued_requests", self.max_queued_requests)
         if self.preemption_policy not in PREEMPTION_POLICIES:
-            raise ValueError(
-                f"preemption_policy must be one of {PREEMPTION_POLICIES}, "
-                f"got {self.preemption_policy!r}"
-            )
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+            raise ValueError(f"preemption_policy must be one of {PREEMPTION_POLICIES}, "
+                             f"got {self.preemption_policy!r}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; CPU default chosen by the memory planner
-    gpu_memory_utilization: float = 0.9
-    num_blocks_override: int | None = None  # tests: an exact pool size
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    kv_cache_memory: int | str | None = setting(None, "KV pool size in bytes, e.g. 2GiB (CPU "
+                                          "default: 1GiB; CUDA: what memory allows)")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory for weights, activations and the KV pool",
+        flags=("--gpu-memory-utilization", "--mem-fraction-static"))
+    num_blocks: int | None = setting(None, "an exact KV pool size in blocks",
+                                     flags=("--num-gpu-blocks-override", "--num-blocks"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):  # '2GiB' from a flag or a caller
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.num_blocks_override is not None and self.num_blocks_override < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks_override}")
+        _positive("kv_cache_memory", self.kv_cache_memory)
+        _positive("num_blocks", self.num_blocks)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto | torch | triton
-    max_model_len: int | None = None  # None: from the model, capped by scheduler default
-    scheduler: SchedulerConfig = SchedulerConfig()
-    cache: CacheConfig = CacheConfig()
+    model: str | None = setting(None, "HF directory or .gguf file (default: the embedded "
+                                "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = setting(None, "the model name clients use and metrics "
+                                            "carry (default: the model's name)")
+    dtype: str = setting("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+                         choices=DTYPES)
+    device: str = setting("auto", "cpu, cuda, cuda:1, ... (auto: CUDA when there is one)")
+    seed: int = setting(0, "seed of the generator shared by unseeded requests")
+    enforce_eager: bool = setting(False, "never capture CUDA graphs")
+    attention_backend: str = setting("auto", "auto: Triton on CUDA, torch on CPU",
+                                     choices=ATTENTION_BACKENDS)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.scheduler.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        """What clients call the model: the served name, else what was asked for."""
+        return self.served_model_name or self.model or "SmolLM2-135M-Instruct"
+
+    @classmethod
+    def from_kwargs(cls, **flat: Any) -> EngineConfig:
+        """Route flat settings (vLLM's names) into the nested dataclasses by field name."""
+        nested: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in flat.items():
+            section = _SECTION_OF.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine setting {key!r}")
+            (top if section == "" else nested[section])[key] = value
+        return cls(**top, **{name: _SECTIONS[name](**kw) for name, kw in nested.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every leaf setting by its flat name (the inverse of `from_kwargs`)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SECTIONS}
+        for name in _SECTIONS:
+            part = getattr(self, name)
+            out |= {f.name: getattr(part, f.name) for f in fields(part)}
+        return out
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What only the HTTP server needs (the engine never reads these)."""
+
+    host: str = setting("127.0.0.1", "address to listen on", env="RIDGELINE_HOST")
+    port: int = setting(8000, "port to listen on", env="RIDGELINE_PORT")
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on every route "
+                                  "but /health and /metrics", env="RIDGELINE_API_KEY")
+    max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
+                                  flags=("--max-request-body-bytes",))
+    shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
+                                      "flight before ending them with an error")
+    log_stats_interval: float = setting(10.0, "seconds between stats lines (0: never)")
+    retry_after_seconds: int = setting(1, "the Retry-After sent with a 503", cli=False)
+
+    @classmethod
+    def from_kwargs(cls, **flat: Any) -> ServerSettings:
+        return cls(**{k: v for k, v in flat.items() if k in _names(cls)})
+
+
+_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+
+
+def _names(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+_SECTION_OF: dict[str, str] = {
+    **{n: "" for n in _names(EngineConfig) - set(_SECTIONS)},
+    **{n: section for section, c in _SECTIONS.items() for n in _names(c)},
+}
+
+
+def setting_fields(*classes: type):
+    """(dataclass field, its default) for every CLI setting of `classes`, nested included."""
+    for cls in classes:
+        for f in fields(cls):
+            if f.name in _SECTIONS and cls is EngineConfig:
+                yield from setting_fields(_SECTIONS[f.name])
+            elif f.metadata.get("cli", False):
+                default = f.default if f.default is not MISSING else f.default_factory()
+                yield f, default

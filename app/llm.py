@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
-from app.engine_core import EngineCore
-from app.outputs import RequestOutput
-from app.sampling_params import SamplingParams
+from app.config import EngineConfig
+from app.engine.core import EngineCore
+from app.engine.outputs import RequestOutput
+from app.engine.sampling_params import SamplingParams
 from models.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
@@ -21,50 +22,18 @@ class LLM:
 
     >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].text
+
+    Every engine setting the server takes is a keyword here, by the same name
+    (`LLM("dir", max_num_seqs=8, kv_cache_memory="1GiB", enforce_eager=True)`);
+    `config` passes a ready `EngineConfig` instead.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory: int | str | None = None,
-        num_blocks: int | None = None,
-        preemption_policy: str = "newest",
-        seed: int = 0,
-        device: str = "auto",
-        attention_backend: str = "auto",
-        config: EngineConfig | None = None,
-    ):
-        """Keyword arguments build the EngineConfig; `config` passes a ready one instead."""
-        config = config or EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            attention_backend=attention_backend,
-            max_model_len=max_model_len,
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                preemption_policy=preemption_policy,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
-                num_blocks_override=num_blocks,
-            ),
-        )
-        self.engine = EngineCore(config)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **settings: Any):
+        if config is not None and (model is not None or settings):
+            raise TypeError("pass either config or model and settings, not both")
+        self.engine = EngineCore(config or EngineConfig.from_kwargs(model=model, **settings))
         self._ids = itertools.count()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        return cls(config=config)
 
     @property
     def tokenizer(self):
@@ -103,7 +72,7 @@ class LLM:
         try:
             with tqdm(total=n, desc="Generating", disable=not use_tqdm, unit="req") as bar:
                 while self.engine.has_work:
-                    for out in self.engine.step():
+                    for out in self.engine.step().outputs:
                         if out.finished:
                             results[order[out.request_id]] = out
                             bar.update(1)

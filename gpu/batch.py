@@ -7,16 +7,26 @@ The model thread never sees a Request object.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class SamplingRow:
-    """How to pick the next token for one sequence of the batch.
+    """How to pick the next token for one request; built once, when it is admitted.
 
-    `seed` plus `output_index` (how many tokens the request has produced so
-    far) fully determine the random draw, so a seeded request samples the same
-    tokens alone or in any batch, and again after preemption and recompute.
+    The event loop updates only what changes between steps (`output_index`,
+    `banned_token_ids`), and only while no step is in flight; everything else is
+    fixed for the request's life. `seed` plus `output_index` (how many tokens the
+    request has produced so far) fully determine the random draw, so a seeded
+    request samples the same tokens alone or in any batch, and again after
+    preemption and recompute.
+
+    `output_token_ids` is the request's own output list, shared, not copied: the
+    sampler folds only the tokens added since the last step into its running
+    counts (`penalty_state`, owned by the model thread), so penalties cost O(1)
+    per token instead of rescanning the history.
     """
 
     temperature: float = 1.0
@@ -32,12 +42,18 @@ class SamplingRow:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    output_token_ids: tuple[int, ...] = ()
+    output_token_ids: Sequence[int] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and top-k
+    penalty_state: Any = field(default=None, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -45,8 +61,8 @@ class Batch:
     """One scheduler step, flattened.
 
     Tokens of all sequences are concatenated (`token_ids`, `positions`,
-    `slot_mapping` have one entry per token). Sequence i owns the slice
-    `[cu_query_lens[i], cu_query_lens[i+1])`; after this step its KV cache
+    `slot_mapping` have one entry per token). Sequence i owns the next
+    `query_lens[i]` of them, in order; after this step its KV cache
     holds `context_lens[i]` tokens, laid out along `block_tables[i]`.
     Rows listed in `sample_indices` (sequence indices) get a sampled token;
     a sequence in the middle of a chunked prefill gets none.
@@ -60,7 +76,6 @@ class Batch:
     block_tables: list[list[int]]
     sample_indices: list[int]
     sampling: list[SamplingRow]  # one per entry of sample_indices
-    step_id: int = 0
 
     def __post_init__(self) -> None:
         # Invariants the model thread relies on; cheap to check, costly to debug.
@@ -83,8 +98,6 @@ class Batch:
 class StepResult:
     """Sampled token per entry of `Batch.sample_indices`, plus optional logprobs."""
 
-    step_id: int
     token_ids: list[int]
     # Per sampled row: (logprob of the sampled token, [(token_id, logprob), ...]) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
-    forward_seconds: float = 0.0

@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,23 +34,33 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    """What the model thread needs to build itself (plain values: crosses threads)."""
+    """What the model thread needs to build itself (plain values: crosses threads).
+
+    No defaults here: every value comes from the engine's config (`app/config.py`
+    is the one home of settings), picked by field name with `from_config`.
+    """
 
     model_dir: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    attention_backend: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    num_threads: int | None = None
+    dtype: str
+    device: str
+    max_model_len: int  # resolved against the model's context before the spec is built
+    block_size: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    num_blocks: int | None
+    attention_backend: str
+    seed: int
+    enforce_eager: bool
     # The scheduler's caps: they size the profiling step and the CUDA-graph buckets.
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    @classmethod
+    def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
+        """Take this spec's fields by name from the engine's flat settings
+        (`EngineConfig.flat()`), then `overrides` (the resolved model directory)."""
+        values = {f.name: flat[f.name] for f in fields(cls) if f.name in flat}
+        return cls(**(values | overrides))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,8 +93,6 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
-        if spec.num_threads:
-            torch.set_num_threads(spec.num_threads)
         self.config = LlamaConfig.from_dir(spec.model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
@@ -177,7 +185,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
-        t0 = time.perf_counter()
         dev = self.device
         qsl = list(itertools.accumulate(batch.query_lens, initial=0))
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -190,7 +197,7 @@ class ModelRunner:
             last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
             logits = self.model.compute_logits(hidden[last])
             tokens, logprobs = self.sampler(logits, batch.sampling)
-        return StepResult(batch.step_id, tokens, logprobs, time.perf_counter() - t0)
+        return StepResult(tokens, logprobs)
 
     def _forward_eager(self, batch: Batch, qsl: list[int]) -> torch.Tensor:
         dev = self.device

@@ -19,6 +19,27 @@ def row_seed(seed: int, output_index: int) -> int:
     return (seed * 1_000_003 ^ (output_index + 1) * _GOLDEN) & _MASK63
 
 
+def _token_counts(row: SamplingRow, logits: torch.Tensor) -> torch.Tensor | None:
+    """How often each token occurs in the row's output so far, or None before any.
+
+    Kept on the row between steps and brought up to date with only the tokens
+    appended since the last call (usually one), so the cost per token does not
+    grow with the output's length.
+    """
+    state = row.penalty_state
+    if state is None:
+        if not row.output_token_ids:
+            return None
+        state = row.penalty_state = [torch.zeros(logits.shape[-1], device=logits.device), 0]
+    counts, counted = state
+    new = row.output_token_ids[counted:]
+    if new:
+        ones = torch.ones(len(new), device=counts.device)
+        counts.index_add_(0, torch.tensor(new, device=counts.device), ones)
+        state[1] = counted + len(new)
+    return counts
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -50,23 +71,19 @@ class Sampler:
     def _apply_penalties_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         touched = False
         for i, r in enumerate(rows):
-            penal = r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0
-            if not (r.banned_token_ids or (penal and r.output_token_ids)):
+            counts = _token_counts(r, logits) if r.penalized else None
+            if not (r.banned_token_ids or counts is not None):
                 continue
             if not touched:
                 logits, touched = logits.clone(), True
             row = logits[i]
-            if penal and r.output_token_ids:
-                ids, counts = torch.tensor(r.output_token_ids, device=logits.device).unique(
-                    return_counts=True
-                )
-                vals = row[ids]
+            if counts is not None:
+                seen = counts > 0
                 if r.repetition_penalty != 1.0:  # CTRL-style, as in HF / vLLM
-                    vals = torch.where(
-                        vals > 0, vals / r.repetition_penalty, vals * r.repetition_penalty
-                    )
-                vals = vals - r.presence_penalty - r.frequency_penalty * counts.to(vals.dtype)
-                row[ids] = vals
+                    penalized = torch.where(row > 0, row / r.repetition_penalty,
+                                            row * r.repetition_penalty)
+                    row.copy_(torch.where(seen, penalized, row))
+                row -= r.presence_penalty * seen + r.frequency_penalty * counts
             if r.banned_token_ids:
                 row[list(r.banned_token_ids)] = float("-inf")
         return logits

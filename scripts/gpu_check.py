@@ -49,6 +49,7 @@ from gpu_check_roofline import (  # beside this file
     table,
 )
 
+from app.config import EngineConfig
 from gpu.batch import Batch, SamplingRow
 from gpu.graphs import GraphRunner
 from gpu.runner import ModelRunner, RunnerSpec
@@ -191,13 +192,14 @@ def build_model(check: Check, eager: bool = False) -> dict:
         cfg["num_hidden_layers"] = check.args.layers
     model_dir = Path(tempfile.mkdtemp(prefix="gpu-check-model-"))
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    spec = RunnerSpec(
-        model_dir=str(model_dir), dtype="float32" if check.smoke else "bfloat16",
-        device=check.device.type, max_model_len=check.size["max_model_len"], block_size=16,
+    config = EngineConfig.from_kwargs(
+        dtype="float32" if check.smoke else "bfloat16", device=check.device.type,
+        max_model_len=check.size["max_model_len"], block_size=16,
         num_blocks=1024 if check.smoke else None, attention_backend="triton",
         max_num_seqs=check.size["max_num_seqs"], max_num_batched_tokens=8192,
         enforce_eager=eager,
     )
+    spec = RunnerSpec.from_config(config.flat(), model_dir=str(model_dir))
     runner = ModelRunner(spec, weights=random_weights(cfg, check.device, check.dtype))
     if check.smoke and not eager:  # off CUDA the runner never captures: closures stand in
         runner.graphs = GraphRunner(runner.model, runner.backend, runner.k_caches,

@@ -51,7 +51,7 @@ def hf_tokenizer(smollm2_dir: Path):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, smollm2_dir):
-    """A tiny random-weight Llama with the real SmolLM2 tokenizer (tests/tiny_model.py)."""
-    from tests.tiny_model import make_tiny_llama
+    """A tiny random-weight Llama with the real SmolLM2 tokenizer (models/tiny.py)."""
+    from models.tiny import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)

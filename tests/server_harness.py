@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 import uvloop
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.config import EngineConfig
 from app.server import ServerSettings, build_app
 
 
@@ -81,13 +81,9 @@ class ServerThread:
         self.thread.join(30)
 
 
-def tiny_config(model_dir, max_model_len: int = 256, **scheduler) -> EngineConfig:
-    cache = {k: scheduler.pop(k) for k in ("num_blocks_override", "block_size") if k in scheduler}
-    return EngineConfig(
-        model=str(model_dir), served_model_name="tiny", dtype="float32",
-        max_model_len=max_model_len,
-        scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache),
-    )
+def tiny_config(model_dir, max_model_len: int = 256, **settings) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=str(model_dir), served_model_name="tiny",
+                                    dtype="float32", max_model_len=max_model_len, **settings)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

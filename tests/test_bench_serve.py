@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from app.bench_overhead import histogram_quantile, overhead_numbers
-from app.bench_serve import (
+from app.bench.overhead import histogram_quantile, overhead_numbers
+from app.bench.serve import (
     RequestResult,
     TokenCounter,
     arrival_gaps,
@@ -21,8 +21,8 @@ from app.bench_serve import (
 )
 from app.cli import build_parser
 from app.client import AsyncClient
+from models.tiny import make_tiny_llama
 from tests.server_harness import ServerThread, tiny_config
-from tests.tiny_model import make_tiny_llama
 
 
 def result(ttft: float, latency: float, out: int, itl: list[float] | None = None,

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from app.detokenizer import MAX_WINDOW_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
-from app.stop import StopStringMatcher
+from app.engine.detokenizer import MAX_WINDOW_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from app.engine.stop import StopStringMatcher
 
 TEXTS = [
     "Hello, world! This is plain ASCII.",

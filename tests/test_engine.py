@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
-from app.sampling_params import InvalidParameter
+from app.engine.errors import InvalidParameter
 from tests.hf_reference import hf_greedy
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 26, 33, 41]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gpu.graphs
+from app.config import EngineConfig
 from gpu.batch import Batch, SamplingRow
 from gpu.graphs import (
     DecodeBuffers,
@@ -25,7 +26,7 @@ from gpu.graphs import (
 )
 from gpu.profiling import GRAPH_OVERHEAD_BYTES, profile_memory, profile_query_lens
 from gpu.runner import ModelRunner, RunnerSpec
-from tests.tiny_model import make_tiny_llama
+from models.tiny import make_tiny_llama
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -153,10 +154,16 @@ def tiny_dir(tmp_path_factory):
 
 def tiny_runner(tiny_dir, backend: str, max_model_len: int = 128, device: str = "cpu",
                 **kw) -> ModelRunner:
-    spec = RunnerSpec(model_dir=str(tiny_dir), dtype="float32", device=device,
-                      max_model_len=max_model_len, block_size=BLOCK,
-                      num_blocks=max_model_len // BLOCK + 8, attention_backend=backend, **kw)
-    return ModelRunner(spec)
+    return ModelRunner(runner_spec(tiny_dir, dtype="float32", device=device,
+                                   max_model_len=max_model_len, block_size=BLOCK,
+                                   num_blocks=max_model_len // BLOCK + 8,
+                                   attention_backend=backend, **kw))
+
+
+def runner_spec(tiny_dir, **settings) -> RunnerSpec:
+    """The spec the engine would build from these settings (defaults from app/config.py)."""
+    return RunnerSpec.from_config(EngineConfig.from_kwargs(**settings).flat(),
+                                  model_dir=str(tiny_dir))
 
 
 @pytest.mark.parametrize("backend", ["torch", TRITON_ON_CPU])
@@ -233,9 +240,8 @@ def test_profile_steps_run_off_cuda(tiny_dir, backend) -> None:
 
 def cuda_runner(tiny_dir, **kw) -> ModelRunner:
     kw.setdefault("num_blocks", 64)
-    spec = RunnerSpec(model_dir=str(tiny_dir), dtype="float32", device="cuda",
-                      max_model_len=256, block_size=BLOCK, max_num_seqs=8, **kw)
-    return ModelRunner(spec)
+    return ModelRunner(runner_spec(tiny_dir, dtype="float32", device="cuda", max_model_len=256,
+                                   block_size=BLOCK, max_num_seqs=8, **kw))
 
 
 @needs_cuda

@@ -5,10 +5,11 @@ import itertools
 import pytest
 
 from app.config import SchedulerConfig
-from app.kv_blocks import BlockManager, NoFreeBlocks
-from app.request import Request, RequestStatus
-from app.sampling_params import SamplingParams
-from app.scheduler import QueueFull, Scheduler
+from app.engine.errors import QueueFull
+from app.engine.kv_blocks import BlockManager, NoFreeBlocks
+from app.engine.request import Request, RequestStatus
+from app.engine.sampling_params import SamplingParams
+from app.engine.scheduler import Scheduler
 
 _ids = itertools.count()
 

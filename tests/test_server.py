@@ -192,7 +192,7 @@ def test_overload_gets_503_with_retry_after_and_accepted_complete(tiny_dir):
 
 def test_metrics_ttft_count_and_preemptions_in_stats_line(tiny_dir, caplog):
     # 20 blocks x 4 = 80 slots; 6 requests of ~60 tokens each must preempt.
-    cfg = tiny_config(tiny_dir, max_model_len=80, num_blocks_override=20, block_size=4,
+    cfg = tiny_config(tiny_dir, max_model_len=80, num_blocks=20, block_size=4,
                       max_num_seqs=6)
     srv = ServerThread(cfg, ServerSettings(log_stats_interval=0.01)).start()
     try:

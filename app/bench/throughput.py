@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from app.config import EngineConfig
+from app.engine.sampling_params import SamplingParams
 from app.llm import LLM
-from app.sampling_params import SamplingParams
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -77,7 +77,7 @@ def bench_hf(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], outpu
 
 
 def run(a: argparse.Namespace, config: EngineConfig) -> int:
-    llm = LLM.from_config(config)
+    llm = LLM(config=config)
     eng = llm.engine
     prompts = make_prompts(a.num_prompts, a.input_len, eng.model_config.vocab_size, a.seed)
     rows = [bench_ridgeline(llm, prompts, a.output_len)]

@@ -16,12 +16,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from app.engine_core import EngineCore
-from app.metrics import Metrics
-from app.outputs import RequestOutput
-from app.sampling_params import InvalidParameter, SamplingParams
-from app.scheduler import SchedulerOutput
-from app.stats_logger import StatsLogger
+from app.engine.core import EngineCore, ScheduledStep
+from app.engine.errors import EngineDead, InvalidParameter
+from app.engine.metrics import Metrics
+from app.engine.outputs import RequestOutput, StepStats
+from app.engine.sampling_params import SamplingParams
+from app.engine.stats_logger import StatsLogger
 
 log = logging.getLogger("ridgeline.engine")
 
@@ -29,10 +29,6 @@ log = logging.getLogger("ridgeline.engine")
 STEP_STALL_SECONDS = 60.0
 # Streams woken per loop iteration when a step's outputs are handed out.
 DISPATCH_CHUNK = 8
-
-
-class EngineDead(RuntimeError):
-    """The model thread failed; no request can make progress."""
 
 
 class RequestStream:
@@ -151,7 +147,7 @@ class AsyncEngine:
         if stream is not None and not stream.finished:
             stream.finished = True
             stream.queue.put_nowait(out)
-        self._update_gauges()
+        self.metrics.record_step(self.core.idle_stats())  # gauges: the pool just shrank
         return True
 
     # -- the loop -------------------------------------------------------------------
@@ -161,33 +157,25 @@ class AsyncEngine:
         so the model thread computes while the loop streams (the next batch depends
         only on the scheduler, which `process` has already updated)."""
         core = self.core
-        in_flight: tuple[SchedulerOutput, asyncio.Future] | None = None
+        in_flight: tuple[ScheduledStep, asyncio.Future] | None = None
         try:
             while True:
                 if in_flight is None:
-                    if not core.has_work:
-                        self._update_gauges()
-                        self.stats.maybe_log(0, 0, core.blocks.usage)
-                        self._wakeup.clear()
-                        await self._wakeup.wait()
-                        continue
-                    in_flight = self._submit_next()
-                    if in_flight is None:
-                        await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
-                        continue
-                out, future = in_flight
+                    in_flight = await self._wait_for_work()
+                    continue
+                step, future = in_flight
+                # 1. Await the model thread (the loop serves HTTP meanwhile).
                 result = await future
                 got_result = time.monotonic()
-                prompt_before, gen_before = core.stats.prompt_tokens, core.stats.generation_tokens
-                outputs = core.process(out, result)
-                in_flight = self._submit_next() if core.has_work else None
-                if in_flight is None:
-                    self.step_started = None
-                # The model thread waited for the loop this long between two steps.
+                # 2. Process: tokens → outputs; the scheduler frees what finished.
+                done = core.process(step.scheduled, result)
+                # 3. Post the next step before streaming this one's outputs.
+                in_flight = self._submit_next()
+                # 4. Record the step's stats (the model thread waited this long for us).
                 self.metrics.overhead.inc(time.monotonic() - got_result)
-                self._account(core.stats.prompt_tokens - prompt_before,
-                              core.stats.generation_tokens - gen_before)
-                await self._dispatch(outputs)
+                self._record(done.stats)
+                # 5. Hand the outputs to their streams.
+                await self._dispatch(done.outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the model thread failed: fail every request, go red
@@ -197,23 +185,29 @@ class AsyncEngine:
             log.exception("engine loop stopped")
             self._fail_all(EngineDead(f"engine failed: {e!r}"))
 
-    def _submit_next(self) -> tuple[SchedulerOutput, asyncio.Future] | None:
-        scheduled = self.core.schedule()
-        if scheduled is None:
+    async def _wait_for_work(self) -> tuple[ScheduledStep, asyncio.Future] | None:
+        """Sleep until a request arrives, then post its first step."""
+        if not self.core.has_work:
+            self._record(self.core.idle_stats())
+            self._wakeup.clear()
+            await self._wakeup.wait()
             return None
-        out, batch = scheduled
-        self.step_started = time.monotonic()
-        return out, asyncio.wrap_future(self.core.worker.submit(batch))
+        in_flight = self._submit_next()
+        if in_flight is None:
+            await asyncio.sleep(0)  # nothing fits now; let arrivals and aborts in
+        return in_flight
 
-    def _account(self, prompt: int, gen: int) -> None:
-        core = self.core
-        preempt = core.scheduler.num_preemptions - self._last_preemptions
-        self._last_preemptions = core.scheduler.num_preemptions
-        self.metrics.add_tokens(prompt, gen, preempt)
-        self.stats.record(prompt, gen, preempt)
-        self._update_gauges()
-        self.stats.maybe_log(len(core.scheduler.running), len(core.scheduler.waiting),
-                             core.blocks.usage)
+    def _submit_next(self) -> tuple[ScheduledStep, asyncio.Future] | None:
+        step = self.core.schedule() if self.core.has_work else None
+        if step is None:
+            self.step_started = None
+            return None
+        self.step_started = time.monotonic()
+        return step, asyncio.wrap_future(self.core.worker.submit(step.batch))
+
+    def _record(self, stats: StepStats) -> None:
+        self.metrics.record_step(stats)
+        self.stats.record(stats)
 
     async def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their streams in chunks, yielding to the loop in between, so
@@ -267,6 +261,3 @@ class AsyncEngine:
         self._fail_all(EngineDead(message))
         return n
 
-    def _update_gauges(self) -> None:
-        s = self.core.scheduler
-        self.metrics.set_state(len(s.running), len(s.waiting), self.core.blocks.usage)

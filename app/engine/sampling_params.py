@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidParameter(ValueError):
-    """A request parameter is out of range; `param` names it for the HTTP error body."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+from app.engine.errors import InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,3 @@ class SamplingParams:
         check(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
         check(self.seed is None or isinstance(self.seed, int), "seed",
               f"seed must be an integer, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1

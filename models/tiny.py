@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama in HF directory form, for fast engine tests.
+"""A tiny random-weight Llama in HF directory form: the engine tests' model and
+`ridgeline bench overhead`'s, whose forward costs next to nothing.
 
 It borrows the real SmolLM2 tokenizer (so text paths are real) and has the
 same vocabulary size, but only a few small layers.

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from app.engine.outputs import StepStats
+
 log = logging.getLogger("ridgeline.stats")
 
 
@@ -18,19 +20,17 @@ class StatsLogger:
         self._last = time.monotonic()
         self._prompt = self._gen = self._preempt = 0
 
-    def record(self, prompt_tokens: int, generation_tokens: int, preemptions: int) -> None:
-        self._prompt += prompt_tokens
-        self._gen += generation_tokens
-        self._preempt += preemptions
-
-    def maybe_log(self, running: int, waiting: int, kv_usage: float,
-                  force: bool = False) -> str | None:
+    def record(self, stats: StepStats, force: bool = False) -> str | None:
+        """Add one step's counts; log the line when the interval has passed."""
+        self._prompt += stats.prompt_tokens
+        self._gen += stats.generation_tokens
+        self._preempt += stats.preemptions
         now = time.monotonic()
         elapsed = now - self._last
         if not force and (self.interval <= 0 or elapsed < self.interval):
             return None
-        line = format_stats(self._prompt / elapsed, self._gen / elapsed, running, waiting,
-                            self._preempt, kv_usage)
+        line = format_stats(self._prompt / elapsed, self._gen / elapsed, stats.num_running,
+                            stats.num_waiting, self._preempt, stats.kv_cache_usage)
         self._last, self._prompt, self._gen, self._preempt = now, 0, 0, 0
         log.info(line)
         return line

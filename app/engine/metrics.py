@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from app.engine.outputs import StepStats
+
 P = "ridgeline:"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -76,18 +78,16 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._kv.set(kv_usage)
-
-    def add_tokens(self, prompt: int, generation: int, preemptions: int) -> None:
-        if prompt:
-            self._prompt.inc(prompt)
-        if generation:
-            self._gen.inc(generation)
-        if preemptions:
-            self._preempt.inc(preemptions)
+    def record_step(self, stats: StepStats) -> None:
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv.set(stats.kv_cache_usage)
+        if stats.prompt_tokens:
+            self._prompt.inc(stats.prompt_tokens)
+        if stats.generation_tokens:
+            self._gen.inc(stats.generation_tokens)
+        if stats.preemptions:
+            self._preempt.inc(stats.preemptions)
 
     def observe_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)

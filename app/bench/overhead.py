@@ -42,46 +42,6 @@ GOAL_US_PER_TOKEN = 100.0
 # -- the model and the server ------------------------------------------------------------
 
 
-def make_tiny_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random two-layer Llama with the real vocabulary: the forward costs next to nothing."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    h, inter, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-           "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-           "torch_dtype": "float32"}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape: int, std: float = 0.08) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    w = {"model.embed_tokens.weight": rnd(vocab, h, std=1.0), "model.norm.weight": 1 + rnd(h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w |= {p + "input_layernorm.weight": 1 + rnd(h),
-              p + "post_attention_layernorm.weight": 1 + rnd(h),
-              p + "self_attn.q_proj.weight": rnd(heads * head_dim, h, std=0.3),
-              p + "self_attn.k_proj.weight": rnd(kv_heads * head_dim, h, std=0.3),
-              p + "self_attn.v_proj.weight": rnd(kv_heads * head_dim, h),
-              p + "self_attn.o_proj.weight": rnd(h, heads * head_dim),
-              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-              p + "mlp.down_proj.weight": rnd(h, inter)}
-    save_file(w, str(out_dir / "model.safetensors"))
-    for src in tokenizer_dir.iterdir():
-        if src.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
-            shutil.copy(src, out_dir / src.name)
-    return out_dir
-
-
 class InProcessServer:
     """`ridgeline serve`'s app on a loopback port, on a uvloop thread of this process."""
 
@@ -141,7 +101,7 @@ def drive_load(url: str, num_streams: int, max_tokens: int, prompt_len: int, see
 
 
 async def _load(url: str, n: int, max_tokens: int, prompt_len: int, seed: int) -> dict:
-    from app.bench_serve import WORDS
+    from app.bench.serve import WORDS
     from app.client import AsyncClient
 
     rng = random.Random(seed)
@@ -224,17 +184,19 @@ def overhead_numbers(before: str, after: str) -> dict:
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from app.config import CacheConfig, EngineConfig, SchedulerConfig
+    from app.config import EngineConfig
     from models.resolve import resolve_model
+    from models.tiny import make_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="ridgeline-overhead-") as tmp:
-        model = a.model or str(make_tiny_model(Path(tmp) / "tiny", resolve_model(None)))
-        config = EngineConfig(
+        model = a.model or str(make_tiny_llama(
+            Path(tmp) / "tiny", resolve_model(None), tie_word_embeddings=True,
+            max_position_embeddings=2048))
+        config = EngineConfig.from_kwargs(
             model=model, served_model_name="overhead", dtype="float32",
             max_model_len=max(256, 2 * a.prompt_len + a.max_tokens),
-            scheduler=SchedulerConfig(max_num_seqs=a.num_streams,
-                                      max_num_batched_tokens=max(2048, a.num_streams)),
-            cache=CacheConfig(kv_cache_memory=None if a.model else 256 << 20))
+            max_num_seqs=a.num_streams, max_num_batched_tokens=max(2048, a.num_streams),
+            kv_cache_memory=None if a.model else 256 << 20)
         server = InProcessServer(config).start()
         try:
             with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:

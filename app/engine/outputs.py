@@ -1,4 +1,5 @@
-"""What a caller receives: a delta per step while streaming, the whole text at the end."""
+"""What a caller receives: a delta per step while streaming, the whole text at the end,
+and what each step reports about itself."""
 
 from __future__ import annotations
 
@@ -38,4 +39,22 @@ class RequestOutput:
     logprobs: list | None = None  # per generated token: (logprob, [(id, logprob), ...])
     delta_logprobs: list | None = None  # the entries for delta_token_ids only
     metrics: RequestMetrics | None = None
-    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did and left behind; shipped with its outputs (vLLM v1's habit),
+    so the loop records them instead of reading the scheduler's counters."""
+
+    prompt_tokens: int = 0  # prefill tokens computed (recompute after preemption included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput]
+    stats: StepStats

@@ -29,14 +29,11 @@ from typing import Any
 
 import aiohttp
 
-from app.client_types import (
+from app.client.types import (
     APIConnectionError,
     APIStatusError,
-    APIStreamError,
     APITimeoutError,
-    ClientError,
     Completion,
-    Delta,
     GenerateParser,
     OpenAIParser,
     Parser,
@@ -262,7 +259,3 @@ def _completion(out: dict, texts: list[str]) -> Completion:
     return Completion(texts[0] if texts else "", choices[0].get("finish_reason"), usage, texts,
                       out)
 
-
-__all__ = ["APIConnectionError", "APIStatusError", "APIStreamError", "APITimeoutError",
-           "AsyncClient", "ClientError", "Completion", "Delta", "Stream", "Usage",
-           "parse_retry_after"]

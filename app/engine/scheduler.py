@@ -16,12 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
-from app.kv_blocks import BlockManager
-from app.request import Request, RequestStatus
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at max_queued_requests; the server answers 503."""
+from app.engine.errors import QueueFull
+from app.engine.kv_blocks import BlockManager
+from app.engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -59,6 +56,12 @@ class Scheduler:
     # -- arrivals and departures -------------------------------------------------
 
     def add(self, request: Request) -> None:
+        # A request that cannot fit the context would never finish; the core validates
+        # this with a message for the client, the scheduler refuses it regardless.
+        max_len = self.config.max_model_len
+        if max_len is not None and request.num_tokens >= max_len:
+            raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens, "
+                             f"max_model_len is {max_len}")
         limit = self.config.max_queued_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFull(f"waiting queue is full ({limit} requests)")

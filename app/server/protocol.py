@@ -1,4 +1,8 @@
-"""OpenAI-compatible request bodies (pydantic) and the error body every failure uses."""
+"""OpenAI-compatible request bodies (pydantic), and the one error type of the HTTP layer.
+
+Every failure leaves the server as `APIError` → `{"error": {...}}` with its status;
+`api_error()` is the one place where the engine's typed errors get their status.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.sampling_params import InvalidParameter, SamplingParams
+from app.engine.errors import EngineDead, InvalidParameter, QueueFull
+from app.engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -36,8 +41,18 @@ def from_validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"invalid value for '{param}': {value!r}: {err['msg']}", param)
 
 
-def from_invalid_parameter(e: InvalidParameter) -> APIError:
-    return APIError(400, str(e), e.param)
+def api_error(e: Exception, retry_after_seconds: int = 1) -> APIError | None:
+    """The HTTP form of an engine error; None for an error that is a bug (→ 500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidParameter):
+        return APIError(400, str(e), e.param)
+    if isinstance(e, QueueFull):
+        return APIError(503, f"server is overloaded: {e}", None, "service_unavailable",
+                        "queue_full", {"Retry-After": str(retry_after_seconds)})
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), None, "service_unavailable")
+    return None
 
 
 def parse(model_cls: type, body: Any, prefix: str | None = None):

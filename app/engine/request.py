@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from app.sampling_params import SamplingParams
+from app.engine.sampling_params import SamplingParams
+from gpu.batch import SamplingRow
 
 
 class RequestStatus(enum.Enum):
@@ -35,7 +36,6 @@ class RequestTimes:
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
-    last_token: float | None = None
     finished: float | None = None
 
 
@@ -58,6 +58,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)
+    sampling: SamplingRow | None = None  # built by the core at admission
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,10 +71,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

@@ -1,0 +1,267 @@
+"""The engine core: boot, validate, schedule → Batch, update.
+
+One object, driven one step at a time, shared by the offline `LLM` (which
+waits on each step) and the online `AsyncEngine` (which awaits it). It is not
+thread-safe on purpose: everything here runs on the caller's thread (the event
+loop), and only `Batch`/`StepResult` cross to the model thread.
+
+A step is `schedule()` (the scheduler picks the batch; the core flattens it
+into a `Batch` and posts it), then `process(step, result)` (the scheduler
+advances progress, the `OutputProcessor` turns tokens into outputs and decides
+what finished, the scheduler frees what finished). The outputs travel with the
+step's `StepStats`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+from app.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from app.engine.errors import InvalidParameter
+from app.engine.kv_blocks import BlockManager
+from app.engine.output_processor import OutputProcessor
+from app.engine.outputs import RequestOutput, StepOutputs, StepStats
+from app.engine.request import Request
+from app.engine.sampling_params import SamplingParams
+from app.engine.scheduler import Scheduler, SchedulerOutput
+from gpu.batch import Batch, SamplingRow, StepResult
+from gpu.runner import RunnerSpec
+from gpu.worker import Worker
+from models.config import LlamaConfig
+from models.resolve import resolve_model
+from models.tokenizer import FastDecoder, load_tokenizer
+
+log = logging.getLogger("ridgeline.engine")
+
+
+class ScheduledStep(NamedTuple):
+    """A step to run: what the scheduler chose and the flat batch to post for it."""
+
+    scheduled: SchedulerOutput
+    batch: Batch
+
+
+def sampling_row(req: Request) -> SamplingRow:
+    """The request's sampling row, built once at admission (see `SamplingRow`).
+
+    Until `min_tokens` are out, the tokens that would end the request are banned."""
+    p = req.params
+    banned = set(req.eos_token_ids) | set(p.stop_token_ids) if p.min_tokens else ()
+    return SamplingRow(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, output_token_ids=req.output_token_ids,
+        logprobs=p.logprobs, banned_token_ids=tuple(sorted(banned)),
+    )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.model_dir = resolve_model(config.model)
+        self.model_config = LlamaConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_model_len = self._resolve_max_model_len(config)
+        # From here on the config holds the resolved length: every reader sees one value.
+        self.config = replace(config, scheduler=replace(config.scheduler,
+                                                        max_model_len=self.max_model_len))
+        self.eos_token_ids = self._eos_ids()
+        self.worker = Worker(RunnerSpec.from_config(self.config.flat(),
+                                                    model_dir=str(self.model_dir)))
+        runner = self.worker.wait_ready()
+        self.kv_plan = runner.plan
+        self.dtype = str(runner.dtype).removeprefix("torch.")
+        self.blocks = BlockManager(self.kv_plan.num_blocks, self.config.cache.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        self.outputs = OutputProcessor(FastDecoder(self.tokenizer), self.max_model_len)
+        self._arrivals = 0
+
+    def _resolve_max_model_len(self, config: EngineConfig) -> int:
+        model_max = self.model_config.max_position_embeddings
+        if config.max_model_len is None:
+            return min(model_max, DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max}"
+            )
+        return config.max_model_len
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- requests -----------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter(
+                "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it would index the logits row on the model thread
+            raise InvalidParameter(
+                "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        if n >= self.max_model_len:
+            raise InvalidParameter(
+                "prompt",
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                f"(room is needed for at least one generated token)",
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {n + params.max_tokens} ({n} in the prompt, {params.max_tokens} "
+                f"for max_tokens)",
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue; raises InvalidParameter or QueueFull, leaving nothing behind."""
+        if request_id in self.outputs:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+            priority=priority,
+            arrival_seq=self._arrivals,
+        )
+        req.sampling = sampling_row(req)
+        self.scheduler.add(req)  # may raise QueueFull: nothing tracked yet
+        self._arrivals += 1
+        self.outputs.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a live request; its final output, or None if it is not live."""
+        req = self.outputs.request(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(req)
+        return self.outputs.emit(req, "", [])
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.outputs)
+
+    # -- one step -------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep | None:
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return None
+        return ScheduledStep(scheduled, self._build_batch(scheduled))
+
+    def _build_batch(self, out: SchedulerOutput) -> Batch:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens, ctx_lens, tables, sample_idx, rows = [], [], [], [], []
+        now = time.monotonic()
+        for i, seq in enumerate(out.seqs):
+            req, start, n = seq.request, seq.start, seq.num_new_tokens
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            token_ids += req.tokens_slice(start, start + n)
+            positions += range(start, start + n)
+            slots += self.blocks.slots(req.request_id, start, start + n)
+            qlens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(list(self.blocks.block_table(req.request_id)))  # a snapshot
+            if seq.samples:
+                sample_idx.append(i)
+                rows.append(self._update_row(req))
+        return Batch(token_ids, positions, slots, qlens, ctx_lens, tables, sample_idx, rows)
+
+    @staticmethod
+    def _update_row(req: Request) -> SamplingRow:
+        """Bring the request's row up to this step: only the output index and the bans
+        change (no step is in flight while this runs, so the model thread is not reading)."""
+        row = req.sampling
+        row.output_index = req.num_output_tokens
+        if row.banned_token_ids and req.num_output_tokens >= req.params.min_tokens:
+            row.banned_token_ids = ()  # for good: the output never shrinks
+        return row
+
+    def process(self, out: SchedulerOutput, result: StepResult) -> StepOutputs:
+        """Apply a step's tokens: advance requests, emit deltas, finish what is done."""
+        now = time.monotonic()
+        prompt_tokens = 0
+        for seq in out.seqs:  # every token but a decode step's one input is a prefill token
+            if not seq.samples or seq.start < seq.request.num_prompt_tokens:
+                prompt_tokens += seq.num_new_tokens
+        logprobs_by_req = {}
+        if result.logprobs:
+            sampled = [s.request.request_id for s in out.seqs if s.samples]
+            logprobs_by_req = dict(zip(sampled, result.logprobs))
+        outputs = []
+        for req in self.scheduler.update(out, result.token_ids):
+            if req.request_id not in self.outputs:
+                continue
+            if req.times.first_token is None:
+                req.times.first_token = now
+            token = req.output_token_ids[-1]
+            delta, status = self.outputs.advance(req, token, logprobs_by_req.get(req.request_id))
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(self.outputs.emit(req, delta, [token]))
+        return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out))
+
+    def _stats(self, prompt_tokens: int, generation_tokens: int,
+               out: SchedulerOutput) -> StepStats:
+        s = self.scheduler
+        return StepStats(prompt_tokens, generation_tokens, len(out.preempted), len(s.running),
+                         len(s.waiting), self.blocks.usage)
+
+    def idle_stats(self) -> StepStats:
+        """The state between steps (after aborts, or with nothing to run)."""
+        s = self.scheduler
+        return StepStats(num_running=len(s.running), num_waiting=len(s.waiting),
+                         kv_cache_usage=self.blocks.usage)
+
+    def step(self) -> StepOutputs:
+        """Synchronous step for offline use: schedule, run on the model thread, process."""
+        step = self.schedule()
+        if step is None:
+            return StepOutputs([], self.idle_stats())
+        future = self.worker.submit(step.batch)
+        try:
+            result = future.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: wait until the model thread is done with the
+            # step's blocks, then let aborts free them at once.
+            concurrent.futures.wait([future])
+            self.scheduler.release_in_flight()
+            raise
+        return self.process(step.scheduled, result)
+
+    def check_invariants(self) -> None:
+        """Block pool invariant plus: every owner of blocks is a live running request."""
+        self.blocks.check()
+        running = {r.request_id for r in self.scheduler.running}
+        owners = set(self.blocks.owners())
+        assert owners <= running, f"blocks owned by requests not running: {owners - running}"
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

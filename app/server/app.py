@@ -1,0 +1,195 @@
+"""The HTTP server: Starlette on uvicorn (uvloop + httptools), one process, one loop.
+
+The model loads in a thread after the socket is open, so /health answers 503
+while starting instead of refusing connections. SIGTERM/SIGINT drain: new
+requests get 503, in-flight ones may finish for `--shutdown-timeout` seconds,
+the rest end with an error event, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.config import EngineConfig, ServerSettings
+from app.engine.async_engine import AsyncEngine
+from app.engine.core import EngineCore
+from app.server import native, openai
+from app.server.protocol import APIError, api_error
+from app.server.state import State, state
+from app.server.streaming import ClientDisconnected
+
+log = logging.getLogger("ridgeline.server")
+
+Handler = Callable[[Request, Any], Awaitable[Response]]
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the {limit}-byte limit")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from e
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _authorize(request: Request, key: str | None) -> None:
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "missing or invalid API key", None, "authentication_error",
+                       "invalid_api_key")
+
+
+def endpoint(handler: Handler, needs_body: bool = True) -> Callable[[Request], Awaitable[Response]]:
+    """Every route but /health and /metrics: API key, readiness, body, error mapping."""
+    async def route(request: Request) -> Response:
+        st = state(request)
+        try:
+            _authorize(request, st.settings.api_key)
+            st.ready_engine()
+            body = await read_json(request, st.settings.max_body_bytes) if needs_body else None
+            return await handler(request, body)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody is listening; nginx's code for it
+        except Exception as e:
+            error = api_error(e, st.settings.retry_after_seconds)
+            if error is None:
+                raise
+            return _error(error)
+    return route
+
+
+async def health(request: Request) -> Response:
+    st = state(request)
+    ok = st.engine is not None and st.engine.healthy and not st.draining
+    return Response(status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    engine = state(request).engine
+    data = engine.metrics.render() if engine else b""
+    return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", endpoint(openai.models, needs_body=False), methods=["GET"]),
+    Route("/v1/completions", endpoint(openai.completions), methods=["POST"]),
+    Route("/v1/chat/completions", endpoint(openai.chat_completions), methods=["POST"]),
+    Route("/generate", endpoint(native.generate), methods=["POST"]),
+    Route("/tokenize", endpoint(native.tokenize), methods=["POST"]),
+    Route("/detokenize", endpoint(native.detokenize), methods=["POST"]),
+    Route("/abort_request", endpoint(native.abort_request), methods=["POST"]),
+]
+
+
+def build_app(config: EngineConfig, settings: ServerSettings,
+              core: EngineCore | None = None) -> Starlette:
+    """The ASGI app. `core` may be passed pre-built (tests); else it loads on startup."""
+    st = State(config, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        load = asyncio.create_task(_load(st, core))
+        yield
+        load.cancel()
+        if st.engine is not None:
+            await st.engine.stop()
+
+    app = Starlette(routes=ROUTES, lifespan=lifespan)
+    app.state.ridgeline = st  # handlers reach the engine through request.app.state
+    return app
+
+
+async def _load(st: State, prebuilt: EngineCore | None) -> None:
+    try:
+        core = prebuilt or await asyncio.to_thread(EngineCore, st.config)
+    except BaseException as e:
+        st.load_error = e
+        log.exception("model failed to load")
+        if st.on_load_failure is not None:
+            st.on_load_failure()  # the server exits non-zero instead of idling unhealthy
+        return
+    engine = AsyncEngine(core, st.config.model_name, st.settings.log_stats_interval)
+    engine.start()
+    st.model_names = [engine.model_name]
+    if st.config.model and st.config.model != engine.model_name:
+        st.model_names.append(st.config.model)
+    st.engine = engine
+    log.info("ready to serve", extra={"model": engine.model_name})
+
+
+def run_server(config: EngineConfig, settings: ServerSettings) -> int:
+    from sse_starlette.sse import AppStatus
+
+    from app.logging_setup import configure_logging
+
+    configure_logging()
+    app = build_app(config, settings)
+    AppStatus.disable_automatic_graceful_drain()  # we drain ourselves, then close streams
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           loop="uvloop", http="httptools", log_config=None,
+                                           timeout_graceful_shutdown=5), app.state.ridgeline)
+    app.state.ridgeline.on_load_failure = lambda: setattr(server, "should_exit", True)
+    log.info("serving", extra={"host": settings.host, "port": settings.port})
+    server.run()
+    return 1 if app.state.ridgeline.load_error is not None else 0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains before exiting."""
+
+    def __init__(self, config: uvicorn.Config, st: State):
+        super().__init__(config)
+        self.st = st
+
+    def handle_exit(self, sig, frame):  # runs in the loop's thread
+        from sse_starlette.sse import AppStatus
+
+        st = self.st
+        if st.draining or st.engine is None:
+            AppStatus.should_exit = True
+            return super().handle_exit(sig, frame)
+        st.draining = True
+        log.info("draining", extra={"in_flight": st.engine.num_unfinished,
+                                    "timeout_s": st.settings.shutdown_timeout})
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        from sse_starlette.sse import AppStatus
+
+        engine, deadline = self.st.engine, time.monotonic() + self.st.settings.shutdown_timeout
+        while engine.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = engine.fail_unfinished("server shut down before completion")
+        if failed:
+            log.warning("ended unfinished requests", extra={"count": failed})
+        await asyncio.sleep(0.2)  # let the error events reach the clients
+        AppStatus.should_exit = True
+        self.should_exit = True

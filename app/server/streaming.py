@@ -1,0 +1,115 @@
+"""What every generation route shares: queueing, merging streams, SSE, disconnects.
+
+Each handler validates, tokenizes and queues before answering, so a bad
+request gets a 4xx status, never a broken stream. Streams are SSE (`data:
+{json}` then `data: [DONE]`); an error after the stream has started is sent as
+`data: {"error": ...}` followed by `data: [DONE]`. A client that leaves aborts
+its requests at once, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+
+from app.engine.async_engine import AsyncEngine, RequestStream
+from app.engine.outputs import RequestOutput
+from app.engine.sampling_params import SamplingParams
+from app.server.protocol import APIError, error_body
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before a non-streamed result was ready."""
+
+
+def queue_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+              priority: int, request_id: str | None) -> list[RequestStream]:
+    """Queue every prompt or none: a failure aborts the ones already queued."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            rid = None if request_id is None else (request_id if i == 0 else f"{request_id}-{i}")
+            streams.append(engine.add_request(ids, params, rid, priority))
+    except BaseException:
+        for s in streams:
+            engine.abort(s.request_id)
+        raise
+    return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams; leaving early aborts them all."""
+    if len(streams) == 1:
+        # aclosing: when our consumer leaves, close the stream now (its finally aborts
+        # the request) rather than whenever the generator is collected.
+        async with contextlib.aclosing(aiter(streams[0])) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # forwarded to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Run to completion, aborting everything if the client goes away first."""
+    async def run() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in merge(streams):
+            if out.finished:
+                finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    task = asyncio.create_task(run())
+    watcher = asyncio.create_task(_until_disconnect(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()  # the client left: the streams' finally blocks abort their requests
+    raise ClientDisconnected()
+
+
+def sse(events: AsyncIterator[dict]) -> EventSourceResponse:
+    async def body() -> AsyncIterator[dict]:
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield {"data": json.dumps(event, separators=(",", ":"))}
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # after the 200: tell the client in-band, then end
+            status_type = "server_error" if not isinstance(e, APIError) else e.type
+            yield {"data": json.dumps(error_body(str(e), status_type))}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(body(), ping=15)
