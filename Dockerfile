@@ -13,7 +13,7 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 # pyproject pins torch==2.13.0 for the CPU build; here the same version comes as the CUDA
-# build first, so `pip install .` finds the pin already met (2.13.0+cu128 == 2.13.0).
+# build first, so `pip install .[engine]` finds the pin already met (2.13.0+cu128 == 2.13.0).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 
@@ -44,7 +44,9 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY gpu ./gpu
 COPY models ./models
-RUN pip install . && ridgeline --help > /dev/null
+# The engine extra: torch (met above), transformers, the server. A local path, not a pin.
+# hadolint ignore=DL3013
+RUN pip install .\[engine\] && ridgeline --help > /dev/null
 
 # uid 10001: the base image already has 1000 (ubuntu); numeric so runAsNonRoot can check it.
 RUN useradd --create-home --uid 10001 --user-group ridgeline \

@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window).
 
 Plain model code in the gpt-fast manner. Input is one flat batch of new tokens
-from many sequences; attention goes through the per-step `StepContext`, which
-knows the paged KV pool. Q/K/V and gate/up projections are fused at load time:
-fewer, larger matmuls matter on CPU where per-op overhead is the bottleneck.
+from many sequences; attention goes through the per-step context it is handed
+(the protocol in `models/attention.py`; the model thread's `StepContext` knows
+the paged KV pool). Q/K/V and gate/up projections are fused at load time: fewer,
+larger matmuls matter on CPU where per-op overhead is the bottleneck.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.attention.base import StepContext
+from models.attention import PagedAttention
 from models.config import LlamaConfig
 
 
@@ -92,7 +93,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: StepContext):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: PagedAttention):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Rotate q and k heads in one go: half the elementwise ops of doing each.
@@ -139,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedAttention):
         """[T] token ids and positions → [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)

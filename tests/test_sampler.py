@@ -72,3 +72,23 @@ def test_logprobs_are_the_raw_distribution():
     assert tokens == [0] and math.isclose(sampled_lp, math.log(0.4), rel_tol=1e-4)
     assert [t for t, _ in top] == [0, 1]
     assert math.isclose(top[1][1], math.log(0.25), rel_tol=1e-4)
+
+
+def test_penalty_counts_follow_a_growing_output_without_rescanning():
+    """The row shares the request's output list; each call folds in only the new tokens,
+    and the result equals a fresh row given the whole history at once."""
+    s = Sampler(torch.device("cpu"))
+    lg = torch.tensor([[2.0, 1.95, 1.9, 0.0]])
+    output: list[int] = []
+    row = SamplingRow(temperature=0.0, frequency_penalty=0.04, output_token_ids=output)
+    picks = []
+    for _ in range(6):
+        token = s(lg, [row])[0][0]
+        picks.append(token)
+        output.append(token)  # what the scheduler does with the sampled token
+        fresh = SamplingRow(temperature=0.0, frequency_penalty=0.04,
+                            output_token_ids=tuple(output))
+        assert s(lg, [fresh])[0] == s(lg, [row])[0]
+    assert picks == [0, 0, 1, 0, 1, 2]  # frequency penalties rotate the greedy choice
+    counts, counted = row.penalty_state
+    assert counted == len(output) and counts.tolist() == [3.0, 2.0, 1.0, 0.0]

@@ -72,7 +72,6 @@ class AsyncEngine:
         self._lag_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self.step_started: float | None = None
-        self._last_preemptions = 0
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -102,7 +101,7 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         """Alive: the model thread runs and no step has stalled."""
-        if self.dead is not None or not self.core.worker.alive:
+        if self.dead is not None or not self.core.alive:
             return False
         if self._task is None or self._task.done():
             return False
@@ -181,7 +180,7 @@ class AsyncEngine:
         except BaseException as e:  # the model thread failed: fail every request, go red
             self.dead = e
             self.step_started = None
-            core.scheduler.release_in_flight()
+            core.release_in_flight()
             log.exception("engine loop stopped")
             self._fail_all(EngineDead(f"engine failed: {e!r}"))
 
@@ -203,7 +202,7 @@ class AsyncEngine:
             self.step_started = None
             return None
         self.step_started = time.monotonic()
-        return step, asyncio.wrap_future(self.core.worker.submit(step.batch))
+        return step, asyncio.wrap_future(self.core.submit(step.batch))
 
     def _record(self, stats: StepStats) -> None:
         self.metrics.record_step(stats)

@@ -240,19 +240,31 @@ class EngineCore:
         return StepStats(num_running=len(s.running), num_waiting=len(s.waiting),
                          kv_cache_usage=self.blocks.usage)
 
+    def submit(self, batch: Batch) -> concurrent.futures.Future[StepResult]:
+        """Post a batch to the model thread."""
+        return self.worker.submit(batch)
+
+    def release_in_flight(self) -> None:
+        """The step in flight failed or was abandoned: its blocks may be reused now."""
+        self.scheduler.release_in_flight()
+
+    @property
+    def alive(self) -> bool:
+        return self.worker.alive
+
     def step(self) -> StepOutputs:
         """Synchronous step for offline use: schedule, run on the model thread, process."""
         step = self.schedule()
         if step is None:
             return StepOutputs([], self.idle_stats())
-        future = self.worker.submit(step.batch)
+        future = self.submit(step.batch)
         try:
             result = future.result()
         except BaseException:
             # Interrupted (Ctrl-C) or failed: wait until the model thread is done with the
             # step's blocks, then let aborts free them at once.
             concurrent.futures.wait([future])
-            self.scheduler.release_in_flight()
+            self.release_in_flight()
             raise
         return self.process(step.scheduled, result)
 

@@ -1,0 +1,20 @@
+"""What a model layer needs from attention, and nothing more.
+
+Models are written against this protocol; the model thread's per-step
+`gpu.attention.base.StepContext` satisfies it. `models/` imports nothing of
+`gpu/` or `app/`: the lowest floor depends on no floor above it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class PagedAttention(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k/v [T, kv_heads, D] in the paged KV pool, then return the
+        attention output [T, heads, D] of the step's T new tokens over their contexts."""
+        ...
