@@ -6,9 +6,9 @@ Flag names follow vLLM, with SGLang's spellings accepted as aliases where they d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from app.bench import serve_args
 from app.config import EngineConfig, ServerSettings, setting_fields
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -120,36 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_bench)
 
     v = bsub.add_parser("serve", help="online latency/throughput against a running server "
-                        "(any OpenAI-compatible one)")
-    v.add_argument("--base-url", default="http://127.0.0.1:8000")
-    v.add_argument("--model", default=None, help="default: the server's first model")
-    v.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
-    v.add_argument("--api-key", default=os.environ.get("RIDGELINE_API_KEY"))
-    v.add_argument("--dataset-path", default=None,
-                   help="ShareGPT-format JSON; default: random prompts")
-    v.add_argument("--num-prompts", type=int, default=100)
-    v.add_argument("--input-len", type=int, default=128)
-    v.add_argument("--output-len", type=int, default=128)
-    v.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random lengths in [len*(1-r), len*(1+r)]")
-    v.add_argument("--sharegpt-output-len", type=int, default=None)
-    v.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s (inf: all at once)")
-    v.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of arrivals: 1 Poisson, <1 burstier")
-    v.add_argument("--max-concurrency", type=int, default=None)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--ignore-eos", action="store_true")
-    v.add_argument("--temperature", type=float, default=0.0)
-    v.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs, e.g. ttft:500 tpot:50 e2el:10000")
-    v.add_argument("--metrics-interval", type=float, default=0.5,
-                   help="seconds between samples of the server's /metrics")
-    v.add_argument("--result-dir", default="bench_results")
-    v.add_argument("--result-filename", default="serve.json")
-    v.add_argument("--no-plots", action="store_true")
-    v.add_argument("--disable-tqdm", action="store_true")
+                        "(any OpenAI-compatible one); vLLM's flag names")
+    serve_args.add_arguments(v)
     v.set_defaults(func=cmd_bench)
 
     o = bsub.add_parser("overhead", help="server overhead: event-loop lag and per-token time "

@@ -179,7 +179,20 @@ class ServerSettings:
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
                                       "flight before ending them with an error")
     log_stats_interval: float = setting(10.0, "seconds between stats lines (0: never)")
-    retry_after_seconds: int = setting(1, "the Retry-After sent with a 503", cli=False)
+    header_timeout: float = setting(10.0, "seconds a client may take to send a request's "
+                                    "headers, and again its body (408 beyond)")
+    # Deadlines (see app/engine/admission.py): off unless set here or sent by the client
+    # (X-Request-Timeout, the openai SDK's x-stainless-read-timeout, X-SLO-TTFT-Ms).
+    max_queue_time: float | None = setting(None, "seconds a request may wait to start; later "
+                                           "it is refused with 503 before any prefill")
+    slo_ttft_ms: float | None = setting(None, "default time-to-first-token target: a request "
+                                        "that cannot meet it is refused early with 503 "
+                                        "(per request: header X-SLO-TTFT-Ms)")
+    slo_tpot_ms: float | None = setting(None, "default time-per-output-token target: requests "
+                                        "join the batch only while it holds (per request: "
+                                        "header X-SLO-TPOT-Ms)")
+    retry_after_seconds: int = setting(1, "the Retry-After sent with a 503 when no wait can "
+                                       "be predicted", cli=False)
 
     @classmethod
     def from_kwargs(cls, **flat: Any) -> ServerSettings:

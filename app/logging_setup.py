@@ -23,11 +23,13 @@ def configure_logging(json_lines: bool | None = None, level: int = logging.INFO)
         structlog.stdlib.ExtraAdder(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = (structlog.processors.JSONRenderer() if json_lines
-                else structlog.dev.ConsoleRenderer(colors=False))
+    # JSON lines carry a logged exception as its formatted traceback (`exception`), not
+    # as the repr of a traceback object; the console renderer prints it itself.
+    render = ([structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+              if json_lines else [structlog.dev.ConsoleRenderer(colors=False)])
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)

@@ -98,6 +98,8 @@ class Batch:
 class StepResult:
     """Sampled token per entry of `Batch.sample_indices`, plus optional logprobs."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a row listed in `failed`
     # Per sampled row: (logprob of the sampled token, [(token_id, logprob), ...]) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    # Sampled rows (positions in `token_ids`) whose sampling failed alone, with the error.
+    failed: dict[int, str] = field(default_factory=dict)

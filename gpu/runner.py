@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionInputs, StepContext
-from gpu.batch import Batch, StepResult
+from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.sampler import Sampler
@@ -191,13 +191,28 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         else:
             hidden = self._forward_eager(batch, qsl)
-        tokens: list[int] = []
-        logprobs: list = []
-        if batch.sample_indices:
-            last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
-            logits = self.model.compute_logits(hidden[last])
-            tokens, logprobs = self.sampler(logits, batch.sampling)
-        return StepResult(tokens, logprobs)
+        if not batch.sample_indices:
+            return StepResult([], [])
+        last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
+        return self._sample(self.model.compute_logits(hidden[last]), batch.sampling)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
+        """Sample every row at once; if that fails, row by row, so that a row that fails
+        on its own fails only its request."""
+        try:
+            return StepResult(*self.sampler(logits, rows))
+        except Exception:
+            pass
+        result = StepResult([], [])
+        for i, row in enumerate(rows):
+            try:
+                (token,), (lp,) = self.sampler(logits[i : i + 1], [row])
+            except Exception as e:
+                log.exception("sampling failed for one row; its request fails")
+                token, lp, result.failed[i] = -1, None, f"sampling failed: {e!r}"
+            result.token_ids.append(token)
+            result.logprobs.append(lp)
+        return result
 
     def _forward_eager(self, batch: Batch, qsl: list[int]) -> torch.Tensor:
         dev = self.device

@@ -4,6 +4,11 @@ The event loop posts a Batch with `submit()` and gets a concurrent Future; an
 asyncio caller awaits it through `asyncio.wrap_future`, which hands the result
 back to the loop with `call_soon_threadsafe`. The runner is built on this
 thread so that device state (a CUDA context, graphs) belongs to it.
+
+A failed step is not the end: unless the device state is unknown (`is_fatal`) or
+steps keep failing, the future carries `StepFailed`, the engine fails that step's
+requests, and the next step runs. The sampler isolates a row that fails on its own
+(`ModelRunner._sample`), so one bad request does not even fail its neighbours.
 """
 
 from __future__ import annotations
@@ -21,8 +26,33 @@ log = logging.getLogger("ridgeline.worker")
 _STOP = object()
 
 
+# A failure that keeps coming back is not one bad request: after this many failed
+# steps in a row the model thread stops, and health turns red.
+MAX_CONSECUTIVE_FAILURES = 3
+# Messages after which the device state is unknown (a CUDA context that saw a
+# device-side assert or an illegal address is unusable until the process restarts).
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
+                  "CUBLAS_STATUS", "CUDNN_STATUS", "NCCL error", "unspecified launch failure")
+
+
 class WorkerDead(RuntimeError):
     """The model thread has stopped; no step can run."""
+
+
+class StepFailed(RuntimeError):
+    """One step failed but the device is intact: the step's requests fail, the engine
+    goes on. `cause` is the original exception."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"model step failed: {cause!r}")
+        self.cause = cause
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Whether the model thread can go on after `e`."""
+    if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
+        return True
+    return any(marker in str(e) for marker in _FATAL_MARKERS)
 
 
 class Worker:
@@ -62,6 +92,7 @@ class Worker:
             self._ready.set_exception(e)
             return
         self._ready.set_result(runner)
+        failures = 0
         while True:
             item = self._inbox.get()
             if item is _STOP:
@@ -71,13 +102,18 @@ class Worker:
                 continue
             try:
                 fut.set_result(runner.execute(batch))
+                failures = 0
             except BaseException as e:
-                # A failed step leaves device state unknown: the thread stops and
-                # every later submit fails fast, so health turns red at once.
-                log.exception("model step failed; the model thread stops")
-                self.error = e
-                fut.set_exception(e)
-                break
+                failures += 1
+                if is_fatal(e) or failures >= MAX_CONSECUTIVE_FAILURES:
+                    # Device state unknown, or failing for good: the thread stops and
+                    # every later submit fails fast, so health turns red at once.
+                    log.exception("model step failed; the model thread stops")
+                    self.error = e
+                    fut.set_exception(e)
+                    break
+                log.exception("model step failed; its requests fail, the engine goes on")
+                fut.set_exception(StepFailed(e))
         self._drain()
 
     def _drain(self) -> None:

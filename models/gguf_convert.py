@@ -82,7 +82,9 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath) -> Path:
     _check_tensors(meta, reader)
     config = _hf_config(meta, reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    # The pid in the name lets a later start tell an abandoned conversion from a live one.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp",
+                                dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         _write_json(tmp / "config.json", config)

@@ -84,8 +84,45 @@ def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
     return out_dir
 
 
+def remove_stale_conversions(root: Path, max_age_s: float = 3600.0) -> list[Path]:
+    """Delete temporary directories that an interrupted conversion left in the cache.
+
+    A conversion builds `.<entry>.<pid>.<random>.tmp` and renames it into place; one
+    whose process is gone (or, for a name without a pid or a process on another host,
+    that has not changed for `max_age_s`) will never be renamed.
+    """
+    removed = []
+    for tmp in root.glob(".*.tmp"):
+        if not tmp.is_dir():
+            continue
+        parts = tmp.name.split(".")
+        pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
+        try:
+            stale = (pid is not None and not _alive(pid)) or (
+                time.time() - tmp.stat().st_mtime > max_age_s)
+        except FileNotFoundError:  # renamed into place meanwhile
+            continue
+        if stale:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+            log.warning("removed %s, left by an interrupted model conversion", tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def _converted(gguf_path: Path, name: str | None = None) -> Path:
     out_dir = cache_dir_for(gguf_path, name)
+    if out_dir.parent.is_dir():
+        remove_stale_conversions(out_dir.parent)
     if out_dir.is_dir():
         try:
             _check_hf_dir(out_dir)

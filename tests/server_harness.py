@@ -13,7 +13,7 @@ import uvicorn
 import uvloop
 
 from app.config import EngineConfig
-from app.server import ServerSettings, build_app
+from app.server import ServerSettings, build_app, uvicorn_config
 
 
 def free_port() -> int:
@@ -28,8 +28,8 @@ class ServerThread:
         self.app = build_app(config, self.settings)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="none",
-                             http="httptools", log_config=None, timeout_graceful_shutdown=2)
+        cfg = uvicorn_config(self.app, self.settings, host="127.0.0.1", port=self.port,
+                             loop="none", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(cfg)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -9,16 +9,9 @@ import statistics
 import pytest
 
 from app.bench.overhead import histogram_quantile, overhead_numbers
-from app.bench.serve import (
-    RequestResult,
-    TokenCounter,
-    arrival_gaps,
-    compute_metrics,
-    parse_goodput,
-    run,
-    sharegpt_requests,
-    tpot,
-)
+from app.bench.report import RequestResult, compute_metrics, parse_goodput, tpot
+from app.bench.serve import run
+from app.bench.workload import TokenCounter, arrival_gaps, sharegpt_requests
 from app.cli import build_parser
 from app.client import AsyncClient
 from models.tiny import make_tiny_llama

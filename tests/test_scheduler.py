@@ -124,10 +124,16 @@ def test_max_num_seqs_caps_running():
     assert reqs[2] in [q.request for q in out.seqs]
 
 
-def test_queue_full():
-    s = make_sched(queue=2)
-    s.add(make_req(2))
-    s.add(make_req(2))
+def test_queue_full_counts_free_run_slots():
+    # 8 run slots are free: the first 8 arrivals start at the next step, so they are not
+    # queued; 2 more may wait; the 11th is refused.
+    s = make_sched(queue=2, max_seqs=8)
+    for _ in range(10):
+        s.add(make_req(2))
+    with pytest.raises(QueueFull):
+        s.add(make_req(2))
+    step(s)  # 8 now run, 2 wait: still full
+    assert len(s.running) == 8 and s.num_queued == 2
     with pytest.raises(QueueFull):
         s.add(make_req(2))
 

@@ -233,7 +233,7 @@ def test_model_thread_failure_turns_health_red_and_ends_streams(tiny_dir):
         def failing(batch):  # fault injection: the device step raises mid-stream
             calls["n"] += 1
             if calls["n"] > 5:
-                raise RuntimeError("injected device fault")
+                raise RuntimeError("CUDA error: an illegal memory access (injected device fault)")
             return real_execute(batch)
 
         runner.execute = failing

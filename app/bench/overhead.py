@@ -50,17 +50,18 @@ class InProcessServer:
 
         import uvicorn
 
-        from app.server import ServerSettings, build_app
+        from app.server import ServerSettings, build_app, uvicorn_config
 
         if not port:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-        self.app = build_app(config, ServerSettings(log_stats_interval=3600.0))
+        settings = ServerSettings(host="127.0.0.1", port=port, log_stats_interval=3600.0)
+        self.app = build_app(config, settings)
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(
-            self.app, host="127.0.0.1", port=port, loop="none", http="httptools",
-            log_config=None, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn_config(self.app, settings, loop="none",
+                                                    log_level="warning",
+                                                    timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self._run, daemon=True, name="server")
 
     def _run(self) -> None:
@@ -101,7 +102,7 @@ def drive_load(url: str, num_streams: int, max_tokens: int, prompt_len: int, see
 
 
 async def _load(url: str, n: int, max_tokens: int, prompt_len: int, seed: int) -> dict:
-    from app.bench.serve import WORDS
+    from app.bench.workload import WORDS
     from app.client import AsyncClient
 
     rng = random.Random(seed)

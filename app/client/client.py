@@ -87,7 +87,12 @@ class AsyncClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            # Tell the server how long we wait for a byte (the openai SDK sends the same
+            # as x-stainless-read-timeout): it can refuse at once what it cannot answer
+            # in time, instead of computing it for nobody.
+            headers = {"X-Request-Timeout": f"{self.timeout.sock_read:g}"}
+            if self.api_key:
+                headers["Authorization"] = f"Bearer {self.api_key}"
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout, headers=headers,
                 connector=aiohttp.TCPConnector(limit=self.max_connections or 0))

@@ -17,11 +17,20 @@ import uuid
 from collections.abc import AsyncIterator
 
 from app.engine.core import EngineCore, ScheduledStep
-from app.engine.errors import EngineDead, InvalidParameter
+from app.engine.errors import (
+    EngineDead,
+    InvalidParameter,
+    QueueFull,
+    RequestFailed,
+    RequestShed,
+)
+from app.engine.input_processor import InputProcessor
 from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
+from app.engine.request import RequestSLO
 from app.engine.sampling_params import SamplingParams
 from app.engine.stats_logger import StatsLogger
+from gpu.worker import StepFailed
 
 log = logging.getLogger("ridgeline.engine")
 
@@ -51,6 +60,11 @@ class RequestStream:
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
+                if item.error is not None:  # finished with finish_reason "error" or "shed"
+                    self.finished = True
+                    if item.finish_reason == "shed":
+                        raise RequestShed(item.error, self._engine.core.predicted_wait())
+                    raise RequestFailed(item.error)
                 yield item
                 if item.finished:
                     self.finished = True
@@ -63,6 +77,7 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0):
         self.core = core
+        self.inputs = InputProcessor(core.tokenizer, core.max_model_len)
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.stats = StatsLogger(log_stats_interval)
@@ -96,6 +111,7 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        self.inputs.shutdown()
         await asyncio.to_thread(self.core.shutdown)
 
     @property
@@ -115,14 +131,19 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0,
+                    slo: RequestSLO | None = None) -> RequestStream:
         """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously."""
         if self.dead is not None:
             raise EngineDead(f"engine is not running: {self.dead!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
             raise InvalidParameter("request_id", f"request id {rid!r} is already in use")
-        self.core.add_request(rid, prompt_token_ids, params, priority)
+        try:
+            self.core.add_request(rid, prompt_token_ids, params, priority, slo)
+        except QueueFull as e:
+            self.metrics.admission_rejected(e.reason)
+            raise
         stream = RequestStream(self, rid)
         self._streams[rid] = stream
         self._wakeup.set()
@@ -141,6 +162,7 @@ class AsyncEngine:
         if out is None:
             return False
         self.metrics.request_success.labels(self.model_name, "abort").inc()
+        self.metrics.observe_wasted(out)
         log.info("request aborted", extra={"request_id": request_id})
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
@@ -164,11 +186,19 @@ class AsyncEngine:
                     continue
                 step, future = in_flight
                 # 1. Await the model thread (the loop serves HTTP meanwhile).
-                result = await future
+                try:
+                    result = await future
+                except StepFailed as e:  # the device is fine: only this step's requests fail
+                    result = e
                 got_result = time.monotonic()
                 # 2. Process: tokens → outputs; the scheduler frees what finished.
-                done = core.process(step.scheduled, result)
-                # 3. Post the next step before streaming this one's outputs.
+                if isinstance(result, StepFailed):
+                    done = core.fail_step(step.scheduled, result.cause)
+                else:
+                    done = core.process(step.scheduled, result)
+                # 3. Shed what can no longer make its deadline; post the next step
+                #    before streaming this one's outputs.
+                done.outputs.extend(core.shed_expired())
                 in_flight = self._submit_next()
                 # 4. Record the step's stats (the model thread waited this long for us).
                 self.metrics.overhead.inc(time.monotonic() - got_result)
@@ -233,8 +263,13 @@ class AsyncEngine:
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
+        if out.finish_reason == "shed":  # never started: an admission decision, not a result
+            self.metrics.admission_rejected("shed")
+            return
         if m is None or m.finished_time is None:
             return
+        if out.finish_reason == "error":
+            self.metrics.observe_wasted(out)
         queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
         prefill = (None if m.first_token_time is None or m.first_scheduled_time is None
                    else m.first_token_time - m.first_scheduled_time)

@@ -21,16 +21,17 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from app.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from app.engine.admission import AdmissionController
 from app.engine.errors import InvalidParameter
 from app.engine.kv_blocks import BlockManager
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
-from app.engine.request import Request
+from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.runner import RunnerSpec
-from gpu.worker import Worker
+from gpu.worker import StepFailed, Worker
 from models.config import LlamaConfig
 from models.resolve import resolve_model
 from models.tokenizer import FastDecoder, load_tokenizer
@@ -45,14 +46,17 @@ class ScheduledStep(NamedTuple):
     batch: Batch
 
 
-def sampling_row(req: Request) -> SamplingRow:
+def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
     """The request's sampling row, built once at admission (see `SamplingRow`).
 
-    Until `min_tokens` are out, the tokens that would end the request are banned."""
+    Until `min_tokens` are out, the tokens that would end the request are banned.
+    A top_k beyond the vocabulary keeps every token: it is clamped here, so the
+    model thread only ever sees values that fit its tensors."""
     p = req.params
     banned = set(req.eos_token_ids) | set(p.stop_token_ids) if p.min_tokens else ()
     return SamplingRow(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        temperature=p.temperature, top_p=p.top_p, top_k=min(p.top_k, vocab_size), min_p=p.min_p,
+        seed=p.seed,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, output_token_ids=req.output_token_ids,
         logprobs=p.logprobs, banned_token_ids=tuple(sorted(banned)),
@@ -75,7 +79,10 @@ class EngineCore:
         self.kv_plan = runner.plan
         self.dtype = str(runner.dtype).removeprefix("torch.")
         self.blocks = BlockManager(self.kv_plan.num_blocks, self.config.cache.block_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        sched = self.config.scheduler
+        self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
+        self.scheduler = Scheduler(sched, self.blocks, self.admission)
+        self._submitted_at = 0.0
         self.outputs = OutputProcessor(FastDecoder(self.tokenizer), self.max_model_len)
         self._arrivals = 0
 
@@ -129,9 +136,12 @@ class EngineCore:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int = 0,
+        priority: int = 0, slo: RequestSLO | None = None,
     ) -> Request:
-        """Validate and queue; raises InvalidParameter or QueueFull, leaving nothing behind."""
+        """Validate and queue; raises InvalidParameter or QueueFull, leaving nothing behind.
+
+        With a deadline in `slo`, a request that is predicted to miss it is refused
+        here (QueueFull, reason "deadline") rather than queued for nobody."""
         if request_id in self.outputs:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -143,7 +153,11 @@ class EngineCore:
             priority=priority,
             arrival_seq=self._arrivals,
         )
-        req.sampling = sampling_row(req)
+        req.sampling = sampling_row(req, self.model_config.vocab_size)
+        if slo is not None:
+            req.slo = slo
+            s = self.scheduler
+            self.admission.check_arrival(req, slo, len(s.waiting), len(s.running), time.monotonic())
         self.scheduler.add(req)  # may raise QueueFull: nothing tracked yet
         self._arrivals += 1
         self.outputs.add(req)
@@ -204,18 +218,34 @@ class EngineCore:
             row.banned_token_ids = ()  # for good: the output never shrinks
         return row
 
+    def shed_expired(self) -> list[RequestOutput]:
+        """Final outputs of waiting requests that can no longer make their deadline."""
+        return [self.outputs.emit(req, "", [], error="could not start before its deadline")
+                for req in self.scheduler.shed_expired(time.monotonic())]
+
+    def predicted_wait(self) -> float | None:
+        """Seconds a request arriving now would wait to start (None: not known yet)."""
+        s = self.scheduler
+        return self.admission.wait_seconds(len(s.waiting), len(s.running))
+
     def process(self, out: SchedulerOutput, result: StepResult) -> StepOutputs:
         """Apply a step's tokens: advance requests, emit deltas, finish what is done."""
         now = time.monotonic()
+        self.admission.observe_step(out.num_batched_tokens, len(out.seqs),
+                                    now - self._submitted_at, out.num_admitted,
+                                    len(self.scheduler.waiting))
         prompt_tokens = 0
         for seq in out.seqs:  # every token but a decode step's one input is a prefill token
-            if not seq.samples or seq.start < seq.request.num_prompt_tokens:
+            if seq.is_prefill:
                 prompt_tokens += seq.num_new_tokens
+                seq.request.num_prefilled += seq.num_new_tokens
         logprobs_by_req = {}
         if result.logprobs:
             sampled = [s.request.request_id for s in out.seqs if s.samples]
             logprobs_by_req = dict(zip(sampled, result.logprobs))
-        outputs = []
+        # Rows whose sampling failed on their own: those requests end with an error now.
+        sampled = [s.request for s in out.seqs if s.samples]
+        outputs = [self._fail(sampled[i], message) for i, message in result.failed.items()]
         for req in self.scheduler.update(out, result.token_ids):
             if req.request_id not in self.outputs:
                 continue
@@ -227,6 +257,18 @@ class EngineCore:
                 self.scheduler.finish(req, status)
             outputs.append(self.outputs.emit(req, delta, [token]))
         return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out))
+
+    def fail_step(self, out: SchedulerOutput, error: BaseException) -> StepOutputs:
+        """The model thread could not run this step (but can run the next): every request
+        in it ends with an error; the rest of the engine goes on."""
+        self.release_in_flight()
+        outputs = [self._fail(s.request, f"{error}") for s in out.seqs
+                   if s.request.request_id in self.outputs]
+        return StepOutputs(outputs, self._stats(0, 0, out))
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return self.outputs.emit(req, "", [], error=message)
 
     def _stats(self, prompt_tokens: int, generation_tokens: int,
                out: SchedulerOutput) -> StepStats:
@@ -242,6 +284,7 @@ class EngineCore:
 
     def submit(self, batch: Batch) -> concurrent.futures.Future[StepResult]:
         """Post a batch to the model thread."""
+        self._submitted_at = time.monotonic()
         return self.worker.submit(batch)
 
     def release_in_flight(self) -> None:
@@ -260,6 +303,8 @@ class EngineCore:
         future = self.submit(step.batch)
         try:
             result = future.result()
+        except StepFailed as e:  # the device is fine: only this step's requests fail
+            return self.fail_step(step.scheduled, e.cause)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: wait until the model thread is done with the
             # step's blocks, then let aborts free them at once.

@@ -17,8 +17,27 @@ class InvalidParameter(EngineError, ValueError):
 
 
 class QueueFull(EngineError):
-    """The waiting queue is at max_queued_requests; the server answers 503 + Retry-After."""
+    """Refused at arrival: the queue is at max_queued_requests (`reason` "queue_full"), or
+    the request could not start before its deadline ("deadline"). 503 + Retry-After."""
+
+    def __init__(self, message: str, reason: str = "queue_full",
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class RequestShed(EngineError):
+    """Taken out of the queue unstarted: it could no longer make its deadline (503)."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineDead(EngineError):
     """The model thread failed or the server is shutting down; no request can progress (503)."""
+
+
+class RequestFailed(EngineError):
+    """This request's step or sampling failed; the engine went on without it (500)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from app.engine.outputs import StepStats
+from app.engine.outputs import RequestOutput, StepStats
 
 P = "ridgeline:"
 
@@ -51,6 +51,16 @@ class Metrics:
         self.decode_time = Histogram(P + "request_decode_time_seconds",
                                      "First token to finish", labels, buckets=_REQUEST_BUCKETS,
                                      registry=r)
+        # vLLM's name; reasons: queue_full, deadline (refused at arrival: it could not
+        # start in time), shed (taken out of the queue unstarted when its deadline passed).
+        self.admission_rejections = Counter(P + "admission_rejections",
+                                            "Requests refused before they started",
+                                            labels + ["reason"], registry=r)
+        # Ridgeline's own: prefill spent on requests that ended with no answer (the client
+        # left, or the request failed) — what admission by deadline exists to avoid.
+        self.wasted_prefill_tokens = Counter(P + "wasted_prefill_tokens",
+                                             "Prefill tokens of requests aborted or failed",
+                                             labels, registry=r)
         # Ridgeline's own: how well the event loop keeps up (server overhead).
         self.event_loop_lag = Histogram(P + "event_loop_lag_seconds",
                                         "Lateness of a 10 ms timer on the event loop", labels,
@@ -73,6 +83,7 @@ class Metrics:
         self._phases = (self.queue_time.labels(m), self.prefill_time.labels(m),
                         self.decode_time.labels(m))
         self.lag = self.event_loop_lag.labels(m)
+        self._wasted = self.wasted_prefill_tokens.labels(m)
         self.overhead = self.step_overhead.labels(m)
 
     def render(self) -> bytes:
@@ -88,6 +99,13 @@ class Metrics:
             self._gen.inc(stats.generation_tokens)
         if stats.preemptions:
             self._preempt.inc(stats.preemptions)
+
+    def admission_rejected(self, reason: str) -> None:
+        self.admission_rejections.labels(self.model, reason).inc()
+
+    def observe_wasted(self, out: RequestOutput) -> None:
+        if out.metrics is not None and out.metrics.prefill_tokens:
+            self._wasted.inc(out.metrics.prefill_tokens)
 
     def observe_first_token(self, ttft: float) -> None:
         self._ttft.observe(ttft)

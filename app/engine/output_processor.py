@@ -66,13 +66,16 @@ class OutputProcessor:
             tracked.logprobs.append(logprob)
         return self._advance(tracked, token)
 
-    def emit(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
+    def emit(self, req: Request, delta: str, delta_ids: list[int],
+             error: str | None = None) -> RequestOutput:
         """The output for this step; the last one of a finished (or aborted) request."""
         if not req.is_finished:
             return self._output(self._tracked[req.request_id], delta, delta_ids, False)
         tracked = self._tracked.pop(req.request_id)
         req.times.finished = time.monotonic()
-        return self._output(tracked, delta, delta_ids, finished=True)
+        out = self._output(tracked, delta, delta_ids, finished=True)
+        out.error = error
+        return out
 
     def _advance(self, tracked: _Tracked, token: int) -> tuple[str, RequestStatus | None]:
         """The token's text delta and whether it finishes the request."""
@@ -124,6 +127,6 @@ class OutputProcessor:
             # Timings matter at the first token (TTFT) and at the end; not built per token.
             metrics=RequestMetrics(req.times.arrival, req.times.first_scheduled,
                                    req.times.first_token, req.times.finished,
-                                   req.num_preemptions)
+                                   req.num_preemptions, req.num_prefilled)
             if finished or req.num_output_tokens == 1 else None,
         )

@@ -13,6 +13,7 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    prefill_tokens: int = 0  # computed for it, recomputes included (wasted if it aborts)
 
     @property
     def ttft(self) -> float | None:
@@ -35,6 +36,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # what went wrong, with finish_reason "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list | None = None  # per generated token: (logprob, [(id, logprob), ...])
     delta_logprobs: list | None = None  # the entries for delta_token_ids only

@@ -17,6 +17,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id, or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its step or its sampling failed; the engine goes on
+    FINISHED_SHED = "shed"  # left the queue unstarted: it could not make its deadline
 
     @property
     def finished(self) -> bool:
@@ -24,6 +26,8 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_SHED,
         )
 
     @property
@@ -37,6 +41,14 @@ class RequestTimes:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestSLO:
+    """What the client needs (see `admission.py`); both optional."""
+
+    ttft_deadline: float | None = None  # time.monotonic() by which the first token is due
+    tpot_target: float | None = None  # seconds per output token
 
 
 @dataclass(eq=False)
@@ -59,6 +71,8 @@ class Request:
     num_preemptions: int = 0
     times: RequestTimes = field(default_factory=RequestTimes)
     sampling: SamplingRow | None = None  # built by the core at admission
+    slo: RequestSLO = RequestSLO()
+    num_prefilled: int = 0  # prefill tokens computed for it, recomputes included
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from app.engine.errors import InvalidParameter
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300
+# overflows to inf and softmax to NaN.
+GREEDY_BELOW = 1e-5
+# Stop strings are matched on the event loop for every token: bounded, so one request
+# cannot make that work (or the matcher's tables) large. OpenAI allows 4.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -42,40 +53,67 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self._validate()
+        if self.temperature < GREEDY_BELOW:  # vLLM's rule: 1e-300 would divide into NaN
+            object.__setattr__(self, "temperature", 0.0)
 
     def _validate(self) -> None:
+        """Types and ranges of every field, so nothing unbounded reaches the model thread.
+
+        Vocabulary-dependent checks (token ids, top_k above the vocabulary) are the
+        engine's, which knows the model (`EngineCore.validate`)."""
         def check(ok: bool, param: str, msg: str) -> None:
             if not ok:
                 raise InvalidParameter(param, msg)
 
-        check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            "max_tokens",
-            f"max_tokens must be at least 1, got {self.max_tokens}",
-        )
-        check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
-        )
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
+            value = getattr(self, name)
+            check(_is_int(value), name, f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            check(_is_number(value) and math.isfinite(value), name,
+                  f"{name} must be a finite number, got {value!r}")
+        check(self.max_tokens >= 1, "max_tokens",
+              f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         check(self.temperature >= 0.0, "temperature",
               f"temperature must be non-negative, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k == -1 or self.top_k >= 0, "top_k",
+        check(self.top_k >= -1, "top_k",  # above the vocabulary: clamped by the engine
               f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.repetition_penalty > 0.0, "repetition_penalty",
-              f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
+              f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
-              f"stop strings must be non-empty strings, got {list(self.stop)}")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)}")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-              f"logprobs must be in [0, 20], got {self.logprobs}")
+              f"stop strings must be non-empty strings, got {list(self.stop)[:MAX_STOP_STRINGS]}")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+              f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max(map(len, self.stop), default=0)
+        check(longest <= MAX_STOP_STRING_CHARS, "stop",
+              f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, got one of "
+              f"{longest}")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)[:8]}")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+              f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
         check(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
-        check(self.seed is None or isinstance(self.seed, int), "seed",
-              f"seed must be an integer, got {self.seed!r}")
+        check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+              "seed", f"seed must be a 64-bit integer, got {self.seed!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name,
+                  f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

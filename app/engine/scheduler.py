@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
+from app.engine.admission import AdmissionController
 from app.engine.errors import QueueFull
 from app.engine.kv_blocks import BlockManager
 from app.engine.request import Request, RequestStatus
@@ -28,11 +29,17 @@ class ScheduledSeq:
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the known tokens: sample the next one
 
+    @property
+    def is_prefill(self) -> bool:
+        """Anything but one decode token (recomputes after preemption included)."""
+        return not (self.num_new_tokens == 1 and self.samples)
+
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_admitted: int = 0  # requests that joined the running batch this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -44,9 +51,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 admission: AdmissionController | None = None):
         self.config = config
         self.blocks = blocks
+        self.admission = admission  # None: admit by memory and caps alone
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # monotonic; metrics read deltas
@@ -63,7 +72,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens, "
                              f"max_model_len is {max_len}")
         limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and self.num_queued >= limit:
             raise QueueFull(f"waiting queue is full ({limit} requests)")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
@@ -87,6 +96,13 @@ class Scheduler:
             self.blocks.free(request.request_id)
 
     @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free run slots: those that start at the next step
+        are not queued, so a burst into an idle server is not refused."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        return max(0, len(self.waiting) - free_slots)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -96,26 +112,43 @@ class Scheduler:
         assert not self._in_flight, "schedule() called while a step is in flight"
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Prefill tokens are capped further when decoders have TPOT targets to keep.
+        prefill_left = budget
+        if self.admission is not None:
+            decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+            cap = self.admission.prefill_budget(self.running, decodes)
+            prefill_left = budget if cap is None else min(cap, budget)
         scheduled: dict[str, ScheduledSeq] = {}
+
+        def take(req: Request) -> int:
+            """Tokens `req` may compute this step: one to decode, or a prefill chunk."""
+            left = req.num_tokens - req.num_computed_tokens
+            return min(left, budget) if left == 1 else min(left, budget, prefill_left)
 
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = take(req)
+            if num_new == 0:
+                continue  # a prefill chunk with no room this step
             while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    refund = scheduled.pop(victim.request_id)
+                    budget += refund.num_new_tokens
+                    if refund.is_prefill:
+                        prefill_left += refund.num_new_tokens
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
-            scheduled[req.request_id] = self._seq(req, num_new)
+            seq = scheduled[req.request_id] = self._seq(req, num_new)
             budget -= num_new
+            prefill_left -= num_new if seq.is_prefill else 0
 
         # Admit waiting requests (preempted ones were put at the front) unless
         # something was just preempted: admitting now would only thrash.
@@ -123,19 +156,37 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self._next_waiting()
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.admission is not None and not self.admission.can_join(req, self.running):
+                break  # one more sequence would break a TPOT target
+            num_new = take(req)
+            if num_new == 0:
+                break
             if not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
                 break
             self.waiting.remove(req)
             self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = self._seq(req, num_new)
+            seq = scheduled[req.request_id] = self._seq(req, num_new)
             budget -= num_new
+            prefill_left -= num_new if seq.is_prefill else 0
+            out.num_admitted += 1
 
         out.seqs = list(scheduled.values())
         self._in_flight = set(scheduled)
         return out
+
+    def shed_expired(self, now: float) -> list[Request]:
+        """Take out the waiting requests that can no longer make their deadline. Only
+        requests never started: a preempted one has streamed tokens to finish."""
+        if self.admission is None:
+            return []
+        shed = [r for r in self.waiting if r.times.first_scheduled is None
+                and self.admission.expired(r, len(self.running), now)]
+        for req in shed:
+            self.waiting.remove(req)
+            self.finish(req, RequestStatus.FINISHED_SHED)
+        return shed
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
         """Advance progress with the step's results; returns requests that got a token.

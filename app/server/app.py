@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -27,6 +28,7 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.server import native, openai
+from app.server.http_protocol import with_header_timeout
 from app.server.protocol import APIError, api_error
 from app.server.state import State, state
 from app.server.streaming import ClientDisconnected
@@ -36,19 +38,45 @@ log = logging.getLogger("ridgeline.server")
 Handler = Callable[[Request, Any], Awaitable[Response]]
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> Any:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body of {length} bytes exceeds the {limit}-byte limit")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the {limit}-byte limit")
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the {limit}-byte limit")
+
     try:
-        return json.loads(body)
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError as e:  # a body trickled in slower than the deadline
+        raise APIError(408, f"request body not received within {timeout} s", None,
+                       "invalid_request_error", "request_timeout") from e
+    try:
+        return json.loads(body, parse_constant=_no_constants)
+    except RecursionError as e:
+        raise APIError(400, "malformed JSON body: nested too deeply") from e
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
+
+
+def _no_constants(name: str) -> Any:
+    """JSON has no NaN or Infinity (Python's json accepts them): a number must be finite."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _require_json(request: Request) -> None:
+    """A body must be declared JSON. Browsers send `text/plain` cross-origin without a
+    preflight (a CORS "simple request"); refusing it keeps a web page from driving a
+    server on localhost."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise APIError(415, f"the body must be JSON (Content-Type: application/json), "
+                       f"got {kind or 'no Content-Type'!r}", None, "invalid_request_error",
+                       "unsupported_media_type")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -71,16 +99,36 @@ def endpoint(handler: Handler, needs_body: bool = True) -> Callable[[Request], A
         try:
             _authorize(request, st.settings.api_key)
             st.ready_engine()
-            body = await read_json(request, st.settings.max_body_bytes) if needs_body else None
+            body = None
+            if needs_body:
+                _require_json(request)
+                body = await read_json(request, st.settings.max_body_bytes,
+                                       st.settings.header_timeout)
             return await handler(request, body)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; nginx's code for it
         except Exception as e:
             error = api_error(e, st.settings.retry_after_seconds)
             if error is None:
-                raise
+                log.exception("unexpected error", extra={"path": request.url.path})
+                error = APIError(500, f"internal error: {type(e).__name__}", None,
+                                 "server_error")
             return _error(error)
     return route
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """404 for an unknown route, 405 for a wrong method: JSON like every other error."""
+    message = {404: f"no route {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}
+    return _error(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                           None, "invalid_request_error", headers=exc.headers))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """The last resort: a bug outside a route's own handling is still a JSON 500."""
+    log.error("unexpected error", exc_info=exc, extra={"path": request.url.path})
+    return _error(APIError(500, f"internal error: {type(exc).__name__}", None, "server_error"))
 
 
 async def health(request: Request) -> Response:
@@ -121,7 +169,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         if st.engine is not None:
             await st.engine.stop()
 
-    app = Starlette(routes=ROUTES, lifespan=lifespan)
+    app = Starlette(routes=ROUTES, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
     return app
 
@@ -144,6 +193,14 @@ async def _load(st: State, prebuilt: EngineCore | None) -> None:
     log.info("ready to serve", extra={"model": engine.model_name})
 
 
+def uvicorn_config(app: Starlette, settings: ServerSettings, **overrides: Any) -> uvicorn.Config:
+    """How `ridgeline serve` runs the app (tests and `bench overhead` run it the same way)."""
+    kwargs = dict(host=settings.host, port=settings.port, loop="uvloop", log_config=None,
+                  http=with_header_timeout(settings.header_timeout),
+                  timeout_graceful_shutdown=5)
+    return uvicorn.Config(app, **(kwargs | overrides))
+
+
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     from sse_starlette.sse import AppStatus
 
@@ -152,44 +209,58 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     configure_logging()
     app = build_app(config, settings)
     AppStatus.disable_automatic_graceful_drain()  # we drain ourselves, then close streams
-    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           loop="uvloop", http="httptools", log_config=None,
-                                           timeout_graceful_shutdown=5), app.state.ridgeline)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.ridgeline)
     app.state.ridgeline.on_load_failure = lambda: setattr(server, "should_exit", True)
     log.info("serving", extra={"host": settings.host, "port": settings.port})
     server.run()
-    return 1 if app.state.ridgeline.load_error is not None else 0
+    return 1 if app.state.ridgeline.load_error is not None else server.exit_code
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first SIGTERM/SIGINT drains before exiting."""
+    """A uvicorn server whose first SIGTERM/SIGINT drains before exiting.
+
+    First signal: new requests get 503, requests in flight may finish for
+    `shutdown_timeout` seconds, the rest end with an error event; exit code 0.
+    Second signal: the open streams end with an error event at once, then the
+    process exits with code 1 (the drain was cut short).
+    """
 
     def __init__(self, config: uvicorn.Config, st: State):
         super().__init__(config)
         self.st = st
+        self.exit_code = 0
 
     def handle_exit(self, sig, frame):  # runs in the loop's thread
-        from sse_starlette.sse import AppStatus
-
         st = self.st
-        if st.draining or st.engine is None:
-            AppStatus.should_exit = True
-            return super().handle_exit(sig, frame)
+        if st.engine is None:  # still loading: nothing to drain
+            self._exit()
+            return
+        loop = asyncio.get_event_loop()
+        if st.draining:
+            if self.exit_code == 0:
+                self.exit_code = 1
+                log.warning("second signal: ending open requests now")
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._end(0.0)))
+            return
         st.draining = True
         log.info("draining", extra={"in_flight": st.engine.num_unfinished,
                                     "timeout_s": st.settings.shutdown_timeout})
-        loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+        loop.call_soon_threadsafe(
+            lambda: loop.create_task(self._end(st.settings.shutdown_timeout)))
 
-    async def _drain(self) -> None:
-        from sse_starlette.sse import AppStatus
-
-        engine, deadline = self.st.engine, time.monotonic() + self.st.settings.shutdown_timeout
-        while engine.num_unfinished and time.monotonic() < deadline:
+    async def _end(self, timeout: float) -> None:
+        """Let requests finish for `timeout` seconds, end the rest with an error, exit."""
+        engine, deadline = self.st.engine, time.monotonic() + timeout
+        while engine.num_unfinished and time.monotonic() < deadline and self.exit_code == 0:
             await asyncio.sleep(0.05)
         failed = engine.fail_unfinished("server shut down before completion")
         if failed:
             log.warning("ended unfinished requests", extra={"count": failed})
         await asyncio.sleep(0.2)  # let the error events reach the clients
+        self._exit()
+
+    def _exit(self) -> None:
+        from sse_starlette.sse import AppStatus
+
         AppStatus.should_exit = True
         self.should_exit = True

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
-from app.engine.sampling_params import SamplingParams
 from app.server.protocol import (
     AbortRequest,
     APIError,
@@ -22,28 +21,20 @@ from app.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
     parse,
+    parse_params,
 )
 from app.server.state import engine
-from app.server.streaming import collect, merge, queue_all, sse
-from models.tokenizer import apply_chat_template
-
-_SGLANG_NAMES: dict[str, str] = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-_SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
+from app.server.streaming import collect, queue_all, sse, started
 
 
 async def generate(request: Request, body: dict) -> JSONResponse | EventSourceResponse:
     req = parse(GenerateRequest, body)
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "give exactly one of 'text' or 'input_ids'", "text")
-    tok = engine(request).core.tokenizer
-    ids = tok.encode(req.text) if req.text is not None else req.input_ids
-    sp = {_SGLANG_NAMES.get(k, k): v for k, v in req.sampling_params.items()}
-    unknown = sorted(set(sp) - _SAMPLING_KEYS)
-    if unknown:
-        raise APIError(400, f"unknown sampling parameter(s): {unknown}", "sampling_params")
-    sp.setdefault("max_tokens", 128)
-    params = parse(SamplingParams, sp, prefix="sampling_params")
-    (stream,) = queue_all(engine(request), [ids], params, 0, req.rid)
+    inputs = engine(request).inputs
+    ids = await inputs.tokenize(req.text, "text") if req.text is not None else req.input_ids
+    params = parse_params(req.sampling_params.to_params, "sampling_params")
+    (stream,) = queue_all(request, [ids], params, 0, req.rid)
 
     def result(out: RequestOutput, text: str, output_ids: list[int]) -> dict:
         reason = None
@@ -54,9 +45,11 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
             "completion_tokens": len(output_ids), "finish_reason": reason}}
 
     if req.stream:
+        outputs = await started(request, [stream])
+
         async def events() -> AsyncIterator[dict]:
             text, output_ids = "", []
-            async for _, out in merge([stream]):
+            async for _, out in outputs:
                 # SGLang streams cumulative text; build it from the deltas, since the
                 # request's live token list may already be ahead of this event.
                 text += out.delta_text
@@ -72,11 +65,12 @@ async def tokenize(request: Request, body: dict) -> JSONResponse:
     core = engine(request).core
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+    inputs = engine(request).inputs
     if req.messages is not None:
-        ids = apply_chat_template(core.tokenizer,
-                                  [m.model_dump(exclude_none=True) for m in req.messages])
+        ids = await inputs.apply_chat_template([m.template_dict() for m in req.messages],
+                                               req.add_generation_prompt)
     else:
-        ids = core.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len})
 
 
@@ -88,7 +82,7 @@ async def detokenize(request: Request, body: dict) -> JSONResponse:
     if bad:
         raise APIError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                        "tokens")
-    return JSONResponse({"prompt": core.tokenizer.decode(req.tokens)})
+    return JSONResponse({"prompt": await engine(request).inputs.detokenize(req.tokens)})
 
 
 async def abort_request(request: Request, body: dict) -> JSONResponse:

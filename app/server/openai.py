@@ -23,15 +23,14 @@ from app.server.protocol import (
     usage,
 )
 from app.server.state import check_model, default_max_tokens, engine, state
-from app.server.streaming import collect, merge, queue_all, sse
-from models.tokenizer import apply_chat_template
+from app.server.streaming import collect, queue_all, sse, started
 
 
 async def models(request: Request, body: None) -> JSONResponse:
     core = engine(request).core
     return JSONResponse({"object": "list", "data": [{
         "id": state(request).model_names[0], "object": "model", "created": now(),
-        "owned_by": "ridgeline", "root": str(core.model_dir),
+        "owned_by": "ridgeline", "root": state(request).model_names[0],
         "max_model_len": core.max_model_len}]})
 
 
@@ -41,20 +40,17 @@ async def models(request: Request, body: None) -> JSONResponse:
 async def completions(request: Request, body: dict) -> JSONResponse | EventSourceResponse:
     req = parse(CompletionRequest, body)
     model = check_model(request, req.model)
-    tok = engine(request).core.tokenizer
+    tok, inputs = engine(request).core.tokenizer, engine(request).inputs
     raw = req.prompt
-    if isinstance(raw, str):
-        prompts = [tok.encode(raw)]
-    elif raw and all(isinstance(p, int) for p in raw):
-        prompts = [list(raw)]
-    else:
-        prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in raw]
+    if isinstance(raw, str) or (raw and all(isinstance(p, int) for p in raw)):
+        raw = [raw]  # one prompt, as text or as token ids
+    prompts = [await inputs.tokenize(p) if isinstance(p, str) else list(p) for p in raw]
     if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
     longest = max(map(len, prompts))
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, longest),
                                  req.logprobs)
-    streams = queue_all(engine(request), prompts, params, req.priority, req.request_id)
+    streams = queue_all(request, prompts, params, req.priority, req.request_id)
     rid, created = new_id("cmpl"), now()
 
     def chunk(choices: list[dict], **extra) -> dict:
@@ -62,9 +58,11 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                 "choices": choices, **extra}
 
     if req.stream:
+        outputs = await started(request, streams)
+
         async def events() -> AsyncIterator[dict]:
             n_out = [0] * len(streams)
-            async for i, out in merge(streams):
+            async for i, out in outputs:
                 n_out[i] = len(out.token_ids)
                 if out.delta_text or out.finished or req.logprobs is not None:
                     lp = (_completion_logprobs(tok, out, delta_only=True)
@@ -117,16 +115,13 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     req = parse(ChatCompletionRequest, body)
     model = check_model(request, req.model)
     tok = engine(request).core.tokenizer
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    try:
-        prompt = apply_chat_template(tok, messages, req.add_generation_prompt)
-    except Exception as e:  # template errors are the caller's input
-        raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
+    prompt = await engine(request).inputs.apply_chat_template(
+        [m.template_dict() for m in req.messages], req.add_generation_prompt)
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, len(prompt)), top)
-    streams = queue_all(engine(request), [prompt], params, req.priority, req.request_id)
+    streams = queue_all(request, [prompt], params, req.priority, req.request_id)
     rid, created = new_id("chatcmpl"), now()
 
     def chunk(choices: list[dict], **extra) -> dict:
@@ -134,11 +129,13 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
                 "model": model, "choices": choices, **extra}
 
     if req.stream:
+        outputs = await started(request, streams)
+
         async def events() -> AsyncIterator[dict]:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
             n_out = 0
-            async for _, out in merge(streams):
+            async for _, out in outputs:
                 n_out = len(out.token_ids)
                 if out.delta_text or out.finished or req.logprobs:
                     delta = {"content": out.delta_text} if out.delta_text else {}

@@ -17,24 +17,28 @@ from collections.abc import AsyncIterator
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from app.engine.async_engine import AsyncEngine, RequestStream
+from app.engine.async_engine import RequestStream
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
+from app.server.deadlines import request_slo
 from app.server.protocol import APIError, error_body
+from app.server.state import state
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before a non-streamed result was ready."""
 
 
-def queue_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams,
               priority: int, request_id: str | None) -> list[RequestStream]:
     """Queue every prompt or none: a failure aborts the ones already queued."""
+    st = state(request)
+    engine, slo = st.engine, request_slo(request, st.settings)
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
             rid = None if request_id is None else (request_id if i == 0 else f"{request_id}-{i}")
-            streams.append(engine.add_request(ids, params, rid, priority))
+            streams.append(engine.add_request(ids, params, rid, priority, slo))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)
@@ -75,6 +79,36 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             t.cancel()
 
 
+async def started(request: Request, streams: list[RequestStream]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The merged outputs of a streamed response, once the first one is out.
+
+    The 200 and the SSE headers wait for the first output, so that a request refused
+    while it waits (shed at its deadline: 503 + Retry-After) gets a real status that
+    clients and routers can retry on, not an error inside a 200 stream. A client that
+    leaves meanwhile aborts its requests at once.
+    """
+    outputs = merge(streams)
+    nxt = asyncio.ensure_future(anext(outputs))
+    watcher = asyncio.create_task(_until_disconnect(request))
+    await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if not nxt.done():
+        nxt.cancel()  # the merge's own cleanup aborts the requests
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await nxt
+        await outputs.aclose()
+        raise ClientDisconnected()
+    watcher.cancel()
+    first = nxt.result()  # raises what ended the request before it began (503, 500)
+
+    async def chained() -> AsyncIterator[tuple[int, RequestOutput]]:
+        async with contextlib.aclosing(outputs):
+            yield first
+            async for item in outputs:
+                yield item
+    return chained()
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -112,4 +146,6 @@ def sse(events: AsyncIterator[dict]) -> EventSourceResponse:
             yield {"data": json.dumps(error_body(str(e), status_type))}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(body(), ping=15)
+    # "\n" line ends, as OpenAI and vLLM send them: clients that split events on "\n\n"
+    # (vLLM's own benchmark client among them) lose events framed with "\r\n".
+    return EventSourceResponse(body(), ping=15, sep="\n")

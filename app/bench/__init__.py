@@ -1,0 +1,1 @@
+"""Benchmarks: `ridgeline bench serve | throughput | overhead`."""

@@ -1,0 +1,157 @@
+"""Admission by deadline and by SLO: refuse early what cannot be served in time.
+
+vLLM and SGLang admit by memory alone: under sustained overload their queues grow
+until every request taken from them has already outlived its client, and the server
+prefills for nobody. What matters is *goodput*, requests that meet their targets.
+So each request may carry two targets (`RequestSLO`):
+
+- `ttft_deadline`: when its first token (its first byte, for a stream) must be out.
+  The server sets it from the client's own timeout (`X-Request-Timeout`, or the
+  openai SDK's `x-stainless-read-timeout`), `--max-queue-time`, and a TTFT target
+  (`--slo-ttft-ms`, or `X-SLO-TTFT-Ms` per request) — the earliest of those given.
+- `tpot_target`: the time per output token it needs (`--slo-tpot-ms`, `X-SLO-TPOT-Ms`).
+
+and the engine acts on them in three places:
+
+1. **At arrival** (`check_arrival`): if the predicted wait plus prefill already
+   passes the deadline, refuse now with 503 and a Retry-After of the predicted wait.
+2. **In the queue** (`expired`): a waiting request that can no longer make its
+   deadline is shed (503) before it costs a prefill.
+3. **Into the batch** (`can_join`, `prefill_budget`): a request joins the running
+   batch only if the predicted decode step stays within the tightest TPOT target of
+   the batch, and a step's prefill chunk is capped so decoders keep their TPOT.
+
+Predictions come from what the engine measured, nothing configured: a step-time
+model fitted online (`StepTimeModel`) and the rate at which the queue drains.
+Requests without targets are never shed, and never held back by `can_join`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from app.engine.errors import QueueFull
+from app.engine.request import Request, RequestSLO
+
+# Exponential forgetting per observation: the model follows the last few hundred steps.
+FORGET = 0.98
+# Prefill tokens a step may always take, so waiting requests progress under any TPOT target.
+MIN_PREFILL_CHUNK = 16
+
+
+class StepTimeModel:
+    """Step seconds ≈ a + b·tokens + c·seqs, by recursive least squares with forgetting.
+
+    Three numbers are enough: a fixed cost per step (launches, Python), a cost per
+    token (weights are read once per step, but activations and attention grow with
+    tokens), and a cost per sequence (sampling, attention setup).
+    """
+
+    def __init__(self) -> None:
+        self.theta = [0.0, 0.0, 0.0]
+        self.p = [[1e3 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.samples = 0
+
+    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
+        x = (1.0, float(tokens), float(seqs))
+        px = [sum(self.p[i][j] * x[j] for j in range(3)) for i in range(3)]
+        gain_den = FORGET + sum(x[i] * px[i] for i in range(3))
+        k = [v / gain_den for v in px]
+        err = seconds - sum(t * v for t, v in zip(self.theta, x))
+        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
+        self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(3)] for i in range(3)]
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= 8
+
+    def predict(self, tokens: int, seqs: int) -> float:
+        a, b, c = self.theta
+        return max(0.0, a) + max(0.0, b) * tokens + max(0.0, c) * seqs
+
+
+class AdmissionController:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.steps = StepTimeModel()
+        # Requests started per second while some waited: how fast the queue drains.
+        self._starts = 0.0
+        self._busy = 0.0
+
+    # -- measurements -----------------------------------------------------------------
+
+    def observe_step(self, tokens: int, seqs: int, seconds: float, started: int,
+                     waiting: int) -> None:
+        self.steps.observe(tokens, seqs, seconds)
+        if waiting or started:
+            self._starts = self._starts * FORGET + started
+            self._busy = self._busy * FORGET + seconds
+
+    @property
+    def drain_rate(self) -> float | None:
+        """Requests started per second while the queue was not empty (None: not known)."""
+        if self._busy <= 0 or self._starts <= 0 or not self.steps.ready:
+            return None
+        return self._starts / self._busy
+
+    # -- predictions ----------------------------------------------------------------------
+
+    def prefill_seconds(self, req: Request, running: int) -> float:
+        """Time to prefill what the request has left, chunk by chunk, beside `running`."""
+        if not self.steps.ready:
+            return 0.0
+        left = max(1, req.num_tokens - req.num_computed_tokens)
+        chunk = max(1, self.max_num_batched_tokens - running)
+        steps = math.ceil(left / chunk)
+        return steps * self.steps.predict(min(left, chunk) + running, running + 1)
+
+    def wait_seconds(self, ahead: int, running: int) -> float | None:
+        """Predicted wait before a request with `ahead` waiting requests before it starts."""
+        beyond = ahead - max(0, self.max_num_seqs - running)
+        if beyond < 0:
+            return 0.0
+        rate = self.drain_rate
+        return None if rate is None else (beyond + 1) / rate
+
+    # -- the three decisions ------------------------------------------------------------------
+
+    def check_arrival(self, req: Request, slo: RequestSLO, ahead: int, running: int,
+                      now: float) -> None:
+        """Raise QueueFull (503, Retry-After) if the request cannot make its deadline."""
+        if slo.ttft_deadline is None:
+            return
+        wait = self.wait_seconds(ahead, running)
+        if wait is None:
+            return  # nothing measured yet: let it in, the queue check still applies
+        if now + wait + self.prefill_seconds(req, running) > slo.ttft_deadline:
+            raise QueueFull(f"cannot start within the request's deadline (predicted wait "
+                            f"{wait:.1f} s)", reason="deadline", retry_after=wait)
+
+    def expired(self, req: Request, running: int, now: float) -> bool:
+        """A waiting request that can no longer deliver its first token in time."""
+        deadline = req.slo.ttft_deadline
+        return deadline is not None and now + self.prefill_seconds(req, running) > deadline
+
+    def can_join(self, req: Request, running: list[Request]) -> bool:
+        """Whether one more sequence keeps the decode step within every TPOT target."""
+        targets = [r.slo.tpot_target for r in running if r.slo.tpot_target is not None]
+        if req.slo.tpot_target is not None:
+            targets.append(req.slo.tpot_target)
+        if not targets or not running or not self.steps.ready:
+            return True
+        n = len(running) + 1
+        return self.steps.predict(n, n) <= min(targets)
+
+    def prefill_budget(self, running: list[Request], decodes: int) -> int | None:
+        """Prefill tokens this step may take so decoders keep their TPOT (None: no cap)."""
+        targets = [r.slo.tpot_target for r in running if r.slo.tpot_target is not None
+                   and r.num_output_tokens > 0]
+        if not targets or not self.steps.ready:
+            return None
+        a, b, c = self.steps.theta
+        if b <= 0:
+            return None
+        room = (min(targets) - max(0.0, a) - max(0.0, c) * (decodes + 1)) / b - decodes
+        return max(MIN_PREFILL_CHUNK, int(room))
