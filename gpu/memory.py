@@ -115,9 +115,9 @@ def plan_kv_cache(
     if plan.sliding_window is not None:
         held = plan.tokens_held_per_request
         log.info(
-            "Sliding window of %d tokens on every layer: with out-of-window blocks freed, a "
-            "request holds at most %d tokens of KV instead of %d, for a maximum concurrency "
-            "of %.2fx at %d tokens per request",
-            plan.sliding_window, held, max_model_len, plan.token_capacity / held, max_model_len,
+            "Sliding window of %d tokens on every layer: a request needs at most %d tokens "
+            "of KV at a time instead of %d; freeing the blocks that leave its window raises "
+            "the maximum concurrency at %d tokens per request to %.2fx",
+            plan.sliding_window, held, max_model_len, max_model_len, plan.token_capacity / held,
         )
     return plan

@@ -78,7 +78,7 @@ def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     if name != "auto":
         return DTYPES[name], "asked for with --dtype"
     if device.type != "cuda":
-        return torch.float32, "auto: float32 on CPU, exact (bf16 would halve the memory)"
+        return torch.float32, "auto: float32 on CPU, exact; --dtype bfloat16 halves the memory"
     if not torch.cuda.is_bf16_supported():
         return torch.float16, "auto: float16 on a CUDA device without bfloat16"
     return torch.bfloat16, "auto: bfloat16 on CUDA, half the bytes of float32"

@@ -211,12 +211,12 @@ def _hf_config(meta: _Metadata, reader: GGUFReader, dtype: str) -> dict[str, Any
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": dtype,
     }
-    if meta.arch != "llama":
-        config["use_sliding_window"] = False
+    if meta.arch == "llama":
+        config |= {"attention_bias": False, "mlp_bias": False}
+    else:
+        config["use_sliding_window"] = False  # llama.cpp runs Qwen with full attention
     scaling = _rope_scaling(meta)
     if scaling:
         config["rope_scaling"] = scaling
