@@ -186,39 +186,60 @@ def test_chat_template_flag_reaches_the_engine_config():
     assert engine_config_from_args(a).chat_template == "t.jinja"
 
 
-# -- GGUF: Qwen2, dtype-aware cache, refusals ---------------------------------------
+# -- GGUF: Qwen2 and Qwen3, dtype-aware cache, refusals --------------------------------
 
 
-def test_qwen2_gguf_converts_exactly_and_caches_in_the_served_dtype(qwen2_gguf, tmp_path,
-                                                                     monkeypatch):
-    from safetensors.torch import load_file
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """One conversion cache for the module: each GGUF is converted once per dtype."""
+    from models.resolve import CACHE_ENV
 
-    from models.resolve import CACHE_ENV, resolve_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("gguf-cache")))
+        yield
 
-    gguf, original = qwen2_gguf
-    expected = load_file(str(original / "model.safetensors"))
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+
+def test_qwen2_gguf_converts_exactly_and_caches_in_the_served_dtype(tiny_ggufs, gguf_cache):
+    from models.resolve import resolve_model
+
+    gguf, original = tiny_ggufs["qwen2"]
     fp32, bf16 = resolve_model(gguf), resolve_model(gguf, dtype="bfloat16")
     assert fp32 != bf16 and resolve_model(gguf) == fp32
-    for path, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
-        got = load_file(str(path / "model.safetensors"))
-        assert got.keys() == expected.keys()
-        assert all(torch.equal(got[k], expected[k].to(dtype)) for k in got)
-        assert json.loads((path / "config.json").read_text())["torch_dtype"] == str(
-            dtype).removeprefix("torch.")
+    assert_same_tensors(fp32, original, torch.float32)
+    assert_same_tensors(bf16, original, torch.bfloat16)
     cfg = ModelConfig.from_dir(fp32)
     assert cfg.architecture == "Qwen2ForCausalLM" and cfg.attention_bias
-    assert (cfg.rope_theta, cfg.rms_norm_eps) == (1e6, 1e-6)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (1e6, 1e-6, True)
 
 
-def test_qwen2_gguf_serves_what_transformers_computes(qwen2_gguf, tmp_path, monkeypatch):
+def test_qwen3_gguf_converts_exactly(tiny_ggufs, gguf_cache):
+    from models.resolve import resolve_model
+
+    gguf, original = tiny_ggufs["qwen3"]
+    converted = resolve_model(gguf)
+    assert_same_tensors(converted, original, torch.float32)
+    cfg = ModelConfig.from_dir(converted)
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.head_dim == 32
+
+
+def assert_same_tensors(converted: Path, original: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(str(converted / "model.safetensors"))
+    expected = load_file(str(original / "model.safetensors"))
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k].to(dtype)) for k in got)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["torch_dtype"] == str(dtype).removeprefix("torch.")
+
+
+def test_qwen2_gguf_serves_what_transformers_computes(tiny_ggufs, gguf_cache):
     """transformers' own GGUF loader is the independent reader of the same file."""
     from transformers import AutoModelForCausalLM
 
     from tests.hf_reference import hf_greedy
 
-    gguf, _ = qwen2_gguf
-    monkeypatch.setenv("RIDGELINE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf, _ = tiny_ggufs["qwen2"]
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                               dtype=torch.float32).eval()
     prompts = [[5, 600, 7000, 42, 9], [17] * 3]
@@ -248,55 +269,75 @@ def test_gguf_of_an_unconvertible_architecture_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def qwen2_gguf(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
-    """A tiny Qwen2 written as llama.cpp writes one (no Q/K permutation for Qwen's NeoX
-    rotation, biases as `attn_q.bias`), with the SmolLM2 GGUF's tokenizer."""
+# llama.cpp's names for HF's per-layer modules (gguf-py's tensor map).
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    _, _, i, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def write_gguf(path: Path, arch: str, cfg, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `tensors` (float32) as llama.cpp writes a Qwen: no Q/K permutation (NeoX
+    rotation is HF's rotate-half), with the SmolLM2 GGUF's tokenizer metadata."""
     from gguf import GGUFReader, GGUFWriter
-    from safetensors.torch import load_file
-    from transformers import Qwen2Config
 
     from models.resolve import default_gguf_path
-    from models.tiny import make_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("qwen2-gguf")
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                      rope_theta=1e6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    original = make_tiny_hf_model(root / "hf", smollm2_dir, cfg)
-    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-    def gguf_name(name: str) -> str:
-        top = {"model.embed_tokens.weight": "token_embd.weight",
-               "model.norm.weight": "output_norm.weight"}
-        if name in top:
-            return top[name]
-        _, _, i, rest = name.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{layer[module]}.{kind}"
-
-    path = root / "tiny-qwen2.gguf"
-    writer = GGUFWriter(str(path), "qwen2")
-    writer.add_block_count(2)
-    writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     for key, field in GGUFReader(default_gguf_path()).fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub)
-    for name, tensor in load_file(str(original / "model.safetensors")).items():
+    for name, tensor in tensors.items():
         writer.add_tensor(gguf_name(name), tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path, original
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory, smollm2_dir) -> dict[str, tuple[Path, Path]]:
+    """arch -> (GGUF file, the HF directory it was written from)."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen3Config
+
+    from models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("ggufs")
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  initializer_range=0.2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  rope_theta=1e6, bos_token_id=1, eos_token_id=2)
+    configs = {"qwen2": Qwen2Config(**common, head_dim=16, tie_word_embeddings=True),
+               "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)}
+    out = {}
+    for arch, cfg in configs.items():
+        original = make_tiny_hf_model(root / arch, smollm2_dir, cfg)
+        tensors = load_file(str(original / "model.safetensors"))
+        out[arch] = (write_gguf(root / f"tiny-{arch}.gguf", arch, cfg, tensors), original)
+    return out
