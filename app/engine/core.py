@@ -63,15 +63,15 @@ def sampling_row(req: Request) -> SamplingRow:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device))
-        self.model_dir = resolve_model(config.model, str(dtype).removeprefix("torch."))
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir, config.chat_template)
         self.max_model_len = self._resolve_max_model_len(config)
         log.info("Model %s: %s; dtype %s (%s); context: the model allows %s, serving "
-                 "max_model_len=%d", self.model_dir, self.model_config.describe(),
-                 str(dtype).removeprefix("torch."), dtype_why, self.model_config.context_note,
-                 self.max_model_len)
+                 "max_model_len=%d", self.model_dir, self.model_config.describe(), dtype_name,
+                 dtype_why, self.model_config.context_note, self.max_model_len)
         # From here on the config holds the resolved length: every reader sees one value.
         self.config = replace(config, scheduler=replace(config.scheduler,
                                                         max_model_len=self.max_model_len))
