@@ -126,6 +126,8 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "never capture CUDA graphs")
     attention_backend: str = setting("auto", "auto: Triton on CUDA, torch on CPU",
                                      choices=ATTENTION_BACKENDS)
+    chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
+                                        "holding one, replacing the tokenizer's own")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

@@ -25,6 +25,7 @@ class KVPlan:
     kv_bytes: int  # bytes the pool actually takes (whole blocks)
     weights_bytes: int
     max_model_len: int
+    sliding_window: int | None = None  # the same window on every layer, else None
 
     @property
     def token_capacity(self) -> int:
@@ -34,6 +35,20 @@ class KVPlan:
     def max_concurrency(self) -> float:
         """How many requests of max_model_len tokens fit at once."""
         return self.token_capacity / self.max_model_len
+
+    @property
+    def tokens_held_per_request(self) -> int:
+        """KV a decoding request of max_model_len needs at once: all of it, or with a
+        window on every layer only the blocks that overlap its last `window` positions."""
+        if self.sliding_window is None:
+            return self.max_model_len
+        return min(self.max_model_len, window_kv_tokens(self.sliding_window, self.block_size))
+
+
+def window_kv_tokens(window: int, block_size: int) -> int:
+    """Slots of the blocks a sliding window can overlap: the W keys a new token sees
+    (positions p - W + 1 .. p) span at most ceil((W - 1) / block_size) + 1 blocks."""
+    return (-(-(window - 1) // block_size) + 1) * block_size
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -52,6 +67,7 @@ def plan_kv_cache(
     peak_activation_bytes: int = 0,
     graph_bytes: int = 0,
     num_blocks: int | None = None,
+    sliding_window: int | None = None,
 ) -> KVPlan:
     """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU."""
     if num_blocks is not None:
@@ -78,6 +94,8 @@ def plan_kv_cache(
         kv_bytes=blocks * block_size * bytes_per_token,
         weights_bytes=weights_bytes,
         max_model_len=max_model_len,
+        sliding_window=sliding_window if sliding_window and sliding_window < max_model_len
+        else None,
     )
     if plan.token_capacity < max_model_len:
         raise ValueError(
@@ -94,4 +112,12 @@ def plan_kv_cache(
         "Maximum concurrency for %d tokens per request: %.2fx",
         max_model_len, plan.max_concurrency,
     )
+    if plan.sliding_window is not None:
+        held = plan.tokens_held_per_request
+        log.info(
+            "Sliding window of %d tokens on every layer: a request needs at most %d tokens "
+            "of KV at a time instead of %d; freeing the blocks that leave its window raises "
+            "the maximum concurrency at %d tokens per request to %.2fx",
+            plan.sliding_window, held, max_model_len, max_model_len, plan.token_capacity / held,
+        )
     return plan

@@ -20,8 +20,8 @@ from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.sampler import Sampler
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from models.config import ModelConfig
+from models.decoder import DecoderForCausalLM
 from models.weights import iter_safetensors
 
 if TYPE_CHECKING:
@@ -70,12 +70,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    return choose_dtype(name, device)[0]
 
 
-def make_backend(name: str, device: torch.device, cfg: LlamaConfig, block_size: int):
+def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype weights and KV are served in, and why (for the start-up log)."""
+    if name != "auto":
+        return DTYPES[name], "asked for with --dtype"
+    if device.type != "cuda":
+        return torch.float32, "auto: float32 on CPU, exact; --dtype bfloat16 halves the memory"
+    if not torch.cuda.is_bf16_supported():
+        return torch.float16, "auto: float16 on a CUDA device without bfloat16"
+    return torch.bfloat16, "auto: bfloat16 on CUDA, half the bytes of float32"
+
+
+def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int):
     args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from gpu.attention.triton_backend import TritonAttentionBackend
@@ -93,14 +102,13 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
-        self.config = LlamaConfig.from_dir(spec.model_dir)
+        self.config = ModelConfig.from_dir(spec.model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.config, max_positions=spec.max_model_len)
+            model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len)
         # Cast on meta, then allocate: the weights never exist in fp32 first.
         model = model.to(self.dtype).to_empty(device=self.device)
-        model.rotary.__init__(self.config, spec.max_model_len)  # buffers are not on meta
-        model.rotary.to(self.device)
+        model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
         model.load_weights(weights if weights is not None
                            else iter_safetensors(spec.model_dir, self.dtype))
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -130,6 +138,7 @@ class ModelRunner:
             gpu_memory_utilization=spec.gpu_memory_utilization,
             peak_activation_bytes=self.profile.peak_activation_bytes,
             graph_bytes=self.profile.graph_bytes,
+            sliding_window=self.config.uniform_window,
         )
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
         # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.

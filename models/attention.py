@@ -14,7 +14,10 @@ import torch
 
 class PagedAttention(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+               v: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
         """Store this step's k/v [T, kv_heads, D] in the paged KV pool, then return the
-        attention output [T, heads, D] of the step's T new tokens over their contexts."""
+        attention output [T, heads, D] of the step's T new tokens over their contexts.
+
+        With a `sliding_window` W, the token at position p sees keys p - W + 1 .. p
+        (HF's mask: key > p - W); without, every key up to p."""
         ...

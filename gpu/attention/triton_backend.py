@@ -69,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         inputs = meta.inputs
         store_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
@@ -81,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
                 inputs.context_lens,
                 self.scale,
                 meta.num_splits,
+                sliding_window=sliding_window,
                 workspace=meta.workspace,
             )
         return prefill_attention(
@@ -92,4 +94,5 @@ class TritonAttentionBackend(AttentionBackend):
             inputs.context_lens,
             inputs.max_query_len,
             self.scale,
+            sliding_window=sliding_window,
         )

@@ -14,7 +14,8 @@ for a handful of FLOPs. Two choices follow from that:
   merges them. `choose_num_splits` decides.
 
 Keys are gathered token by token through the block table (page = position //
-block_size), so any block size works, including ones smaller than a tile.
+block_size), so any block size works, including ones smaller than a tile. With a
+sliding window W only the tiles holding the last W keys are walked (and split).
 Softmax runs online in fp32 using exp2 with the scale folded into log2 units.
 """
 
@@ -49,6 +50,7 @@ def _paged_decode_kernel(
     part_l_ptr,
     scale_log2,
     num_splits,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -73,6 +75,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,9 +96,13 @@ def _paged_decode_kernel(
     # This program's share of the context, in whole tiles. Computed here from the
     # device-side length so the launch grid never depends on it (CUDA graphs).
     context_len = tl.load(context_lens_ptr + seq)
+    first_key = 0  # the oldest key the new token sees
+    if SLIDING:
+        first_key = tl.maximum(context_len - window, 0)
+    first_tile = first_key // BLOCK_N
     num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_start = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -103,7 +110,7 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for tile in range(tile_start, tile_end):
         pos = tile * BLOCK_N + offs_n
-        pos_mask = pos < context_len
+        pos_mask = (pos < context_len) & (pos >= first_key)
         block = tl.load(
             block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0
         ).to(tl.int64)
@@ -122,7 +129,7 @@ def _paged_decode_kernel(
             tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
             * scale_log2
         )
-        # Every tile holds at least one valid key, so m_new stays finite.
+        # Every tile walked holds at least one key in the window, so m_new stays finite.
         qk = tl.where(pos_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -274,10 +281,12 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_context_len: int | None = None,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's single new token over its whole paged cache.
+    """Attention of each sequence's single new token over its whole paged cache (or
+    over its last `sliding_window` keys).
 
     `num_splits=None` asks `choose_num_splits`; pass `max_context_len` (known on
     the host) to spare a device sync. A CUDA-graph runner should fix num_splits
@@ -315,6 +324,7 @@ def paged_decode_attention(
         *parts,
         scale * LOG2E,
         num_splits,
+        sliding_window or 0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -329,6 +339,7 @@ def paged_decode_attention(
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     if split:

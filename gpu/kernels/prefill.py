@@ -11,7 +11,9 @@ Grid: (query tile, sequence, query head). Tiles past a sequence's query_len
 exit at once, so the grid is sized by max_query_len, known on the host. Prefill
 is compute-bound, so each program handles one query head and lets L2 absorb the
 repeated K/V reads of a GQA group. Causality bounds the key loop: a tile stops
-at the key position of its last query row.
+at the key position of its last query row; a sliding window W starts it at the
+first key its first row sees (position - W + 1), so keys older than the window
+are never read.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def _prefill_kernel(
     context_lens_ptr,
     out_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -60,6 +63,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -88,10 +92,11 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Key 0 is visible to every row, so the first tile makes each row's max
-    # finite and later fully-masked rows contribute exp2(-inf) = 0, never NaN.
     kv_end = tl.minimum(context_len, prefix_len + (q_tile + 1) * BLOCK_M)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if SLIDING:
+        kv_begin = tl.maximum(prefix_len + q_tile * BLOCK_M - window + 1, 0)
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         pos = kv_start + offs_n
         pos_mask = pos < kv_end
         block = tl.load(
@@ -113,10 +118,15 @@ def _prefill_kernel(
             * scale_log2
         )
         causal = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if SLIDING:
+            causal = causal & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        # A row that has seen no key yet (its window starts in a later tile) keeps
+        # m = -inf: subtract 0 instead, so exp2 gives 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_cache_ptr
@@ -132,7 +142,8 @@ def _prefill_kernel(
         )
         m = m_new
 
-    out = acc / l[:, None]
+    # Rows past query_len may see no key in a window (l = 0); they are never stored.
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(
         out_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -150,9 +161,11 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     *,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's paged cache."""
+    """Causal attention of every new token over its sequence's paged cache (or over its
+    last `sliding_window` keys)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
@@ -175,6 +188,7 @@ def prefill_attention(
         context_lens,
         out,
         scale * LOG2E,
+        sliding_window or 0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -188,6 +202,7 @@ def prefill_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        SLIDING=sliding_window is not None,
         num_warps=4,
         num_stages=2,
     )

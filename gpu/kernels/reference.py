@@ -7,7 +7,8 @@ ordinary indexing, so a reader can check the semantics without knowing Triton:
 - a flat slot is `block * block_size + offset`; slot -1 is padding and skipped;
 - sequence i's new tokens are the LAST `query_len` of its `context_lens[i]`
   cached tokens, and each attends causally to every cached token up to and
-  including its own position (so a cached prefix makes it a chunked prefill).
+  including its own position (so a cached prefix makes it a chunked prefill);
+- with a sliding window W, the token at position p sees only keys p - W + 1 .. p.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [B+1] int32
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache, in fp32."""
     num_heads = q.shape[1]
@@ -68,7 +70,10 @@ def prefill_attention_ref(
         scores = queries @ keys.transpose(1, 2) * scale  # [H, qlen, ctx]
         q_pos = torch.arange(context_len - query_len, context_len, device=q.device)
         k_pos = torch.arange(context_len, device=q.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = (probs @ values).transpose(0, 1).to(q.dtype)
     return out
@@ -81,10 +86,12 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Decode is prefill with one query per sequence: the last token sees the whole cache."""
+    """Decode is prefill with one query per sequence: the last token sees the whole cache
+    (or its last `sliding_window` tokens)."""
     batch = q.shape[0]
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     return prefill_attention_ref(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
