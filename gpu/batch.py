@@ -44,6 +44,10 @@ class SamplingRow:
     repetition_penalty: float = 1.0
     output_token_ids: Sequence[int] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and top-k
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # With a grammar: this step's bitmask of allowed tokens (a CPU int32 tensor,
+    # ceil(vocab / 32) words, bit j of word i = token 32·i + j), refilled every step.
+    allowed: Any = field(default=None, repr=False)
     penalty_state: Any = field(default=None, repr=False)
 
     @property
@@ -54,6 +58,19 @@ class SamplingRow:
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class PromptLogprobsRequest:
+    """Score the prompt tokens that follow this sequence's new positions.
+
+    Position j of the sequence's chunk predicts `targets[j]`, the prompt token after
+    it; the chunk's last position predicts the next chunk's first token while the
+    prompt goes on, and nothing at the prompt's end (that one is sampled)."""
+
+    seq_index: int
+    targets: list[int]
+    top_k: int
 
 
 @dataclass
@@ -76,6 +93,8 @@ class Batch:
     block_tables: list[list[int]]
     sample_indices: list[int]
     sampling: list[SamplingRow]  # one per entry of sample_indices
+    # Sequences that want the logprobs of their prompt tokens (echo, prompt_logprobs).
+    prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Invariants the model thread relies on; cheap to check, costly to debug.
@@ -103,3 +122,7 @@ class StepResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     # Sampled rows (positions in `token_ids`) whose sampling failed alone, with the error.
     failed: dict[int, str] = field(default_factory=dict)
+    # Per `Batch.prompt_logprobs` entry (by seq index): one (logprob, rank, top pairs)
+    # per target, `rank` being 1 + how many tokens scored higher than the target.
+    prompt_logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(
+        default_factory=dict)

@@ -54,6 +54,7 @@ class RunnerSpec:
     # The scheduler's caps: they size the profiling step and the CUDA-graph buckets.
     max_num_seqs: int
     max_num_batched_tokens: int
+    torch_threads: int | None  # None: torch's default
 
     @classmethod
     def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
@@ -95,6 +96,27 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
     return TorchAttentionBackend(*args)
 
 
+# Prompt positions scored at once: bounds the [rows, vocab] float32 logits of a long prompt.
+SCORE_CHUNK = 128
+
+
+def score_tokens(compute_logits, hidden: torch.Tensor, targets: list[int],
+                 top_k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """log p(target_j | prefix) for each row j of `hidden`, its rank, and the top k."""
+    out = []
+    for lo in range(0, len(targets), SCORE_CHUNK):
+        rows = torch.log_softmax(compute_logits(hidden[lo:lo + SCORE_CHUNK]), dim=-1)
+        tgt = torch.tensor(targets[lo:lo + SCORE_CHUNK], device=rows.device)
+        chosen = rows.gather(1, tgt[:, None])[:, 0]
+        ranks = (rows > chosen[:, None]).sum(dim=-1) + 1
+        top = rows.topk(top_k, dim=-1) if top_k else None
+        for j, (lp, rank) in enumerate(zip(chosen.tolist(), ranks.tolist())):
+            pairs = (list(zip(top.indices[j].tolist(), top.values[j].tolist()))
+                     if top is not None else [])
+            out.append((lp, rank, pairs))
+    return out
+
+
 class ModelRunner:
     def __init__(self, spec: RunnerSpec, weights: Iterable[tuple[str, torch.Tensor]] | None = None):
         """`weights` (HF names) replace the checkpoint's tensors; the GPU check uses it
@@ -103,6 +125,9 @@ class ModelRunner:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
         self.config = ModelConfig.from_dir(spec.model_dir)
+        if spec.torch_threads and self.device.type == "cpu":
+            torch.set_num_threads(spec.torch_threads)
+        log.info("torch uses %d CPU threads", torch.get_num_threads())
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len)
@@ -200,10 +225,16 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         else:
             hidden = self._forward_eager(batch, qsl)
-        if not batch.sample_indices:
-            return StepResult([], [])
-        last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
-        return self._sample(self.model.compute_logits(hidden[last]), batch.sampling)
+        result = StepResult([], [])
+        if batch.sample_indices:
+            last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
+            result = self._sample(self.model.compute_logits(hidden[last]), batch.sampling)
+        for want in batch.prompt_logprobs:
+            start = qsl[want.seq_index]
+            result.prompt_logprobs[want.seq_index] = score_tokens(
+                self.model.compute_logits, hidden[start:start + len(want.targets)],
+                want.targets, want.top_k)
+        return result
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
         """Sample every row at once; if that fails, row by row, so that a row that fails

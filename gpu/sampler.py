@@ -1,4 +1,4 @@
-"""Per-row sampling: penalties, bans, temperature, top-k, top-p, min-p, seeds.
+"""Per-row sampling: logit bias, penalties, bans, temperature, top-k, top-p, min-p, seeds.
 
 Rows are independent: a seeded row draws from a generator seeded by
 (seed, output_index), so its tokens do not depend on the other rows of the
@@ -40,6 +40,14 @@ def _token_counts(row: SamplingRow, logits: torch.Tensor) -> torch.Tensor | None
     return counts
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack_bits(words: torch.Tensor, width: int) -> torch.Tensor:
+    """An xgrammar bitmask row (int32 words, bit j of word i = token 32·i + j) as bools."""
+    return ((words.unsqueeze(-1) >> _BITS) & 1).bool().reshape(-1)[:width]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -72,11 +80,18 @@ class Sampler:
         touched = False
         for i, r in enumerate(rows):
             counts = _token_counts(r, logits) if r.penalized else None
-            if not (r.banned_token_ids or counts is not None):
+            if not (r.banned_token_ids or counts is not None or r.logit_bias
+                    or r.allowed is not None):
                 continue
             if not touched:
                 logits, touched = logits.clone(), True
             row = logits[i]
+            if r.allowed is not None:  # a grammar: only the tokens it allows next
+                row.masked_fill_(~_unpack_bits(r.allowed, row.shape[-1]).to(row.device),
+                                 float("-inf"))
+            if r.logit_bias:  # OpenAI's logit_bias: added before penalties and sampling
+                ids, bias = zip(*r.logit_bias)
+                row[list(ids)] += torch.tensor(bias, dtype=row.dtype, device=row.device)
             if counts is not None:
                 seen = counts > 0
                 if r.repetition_penalty != 1.0:  # CTRL-style, as in HF / vLLM

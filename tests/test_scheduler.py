@@ -26,7 +26,9 @@ def make_req(prompt_len: int, priority: int = 0, max_tokens: int = 100) -> Reque
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="newest", queue=None):
-    blocks = BlockManager(num_blocks, block_size)
+    # Prompts here repeat (1, 2, 3, ...): without the prefix cache, so that these tests
+    # see budgets and preemption alone; sharing has its own tests (test_prefix_cache.py).
+    blocks = BlockManager(num_blocks, block_size, enable_caching=False)
     cfg = SchedulerConfig(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,

@@ -34,6 +34,20 @@ class RequestResult:
     # How it ended when it did not succeed: "refused" (an HTTP 503 before any byte),
     # "timeout" (the client gave up), "disconnected" (left on purpose), "failed".
     outcome: str = ""
+    streamed: bool = True  # False: the whole answer came at once (TTFT = E2E)
+
+
+def meets(r: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a request met every SLO (milliseconds). A request that did not stream has
+    no first token of its own: it meets TTFT and TPOT when its whole answer came within
+    the budget they add up to (TTFT + TPOT × (tokens − 1))."""
+    if not r.streamed:
+        budget = slos.get("ttft", 0.0) + slos.get("tpot", 0.0) * max(0, r.output_tokens - 1)
+        limits = [budget] if ("ttft" in slos or "tpot" in slos) else []
+        limits += [slos["e2el"]] if "e2el" in slos else []
+        return all(r.latency <= ms / 1000 for ms in limits)
+    return all({"ttft": r.ttft, "tpot": tpot(r), "e2el": r.latency}[k] <= ms / 1000
+               for k, ms in slos.items())
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -67,11 +81,10 @@ def compute_metrics(results: list[RequestResult], duration: float,
     ok = [r for r in results if r.success]
     outcomes = {k: sum(1 for r in results if r.outcome == k)
                 for k in ("refused", "timeout", "disconnected")}
-    tpots = [tpot(r) for r in ok if r.output_tokens > 1]
+    streamed = [r for r in ok if r.streamed]  # TTFT, TPOT and ITL exist for these only
+    tpots = [tpot(r) for r in streamed if r.output_tokens > 1]
     n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
-    good = sum(1 for r in ok if all(
-        {"ttft": r.ttft, "tpot": tpot(r), "e2el": r.latency}[k] <= ms / 1000
-        for k, ms in slos.items()))
+    good = sum(1 for r in ok if meets(r, slos))
     return {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         **outcomes, "refused_share": outcomes["refused"] / max(1, len(results)),
@@ -80,9 +93,9 @@ def compute_metrics(results: list[RequestResult], duration: float,
         "request_goodput": good / duration if slos else None,
         "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
-        **_stats("ttft", [r.ttft for r in ok], percentiles),
+        **_stats("ttft", [r.ttft for r in streamed], percentiles),
         **_stats("tpot", tpots, percentiles),
-        **_stats("itl", [g for r in ok for g in r.itl], percentiles),
+        **_stats("itl", [g for r in streamed for g in r.itl], percentiles),
         **_stats("e2el", [r.latency for r in ok], percentiles),
     }
 

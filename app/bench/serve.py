@@ -50,7 +50,7 @@ PROMPT_TOKENS = re.compile(r"^(?:ridgeline|vllm):prompt_tokens_total(?:\{[^}]*\}
 async def send(client: AsyncClient, a: argparse.Namespace, spec: RequestSpec, t0: float,
                stream: bool = True, leave_after: float | None = None) -> RequestResult:
     """One request; the client leaves after `leave_after` seconds if that is set."""
-    r = RequestResult(prompt_len=spec.prompt_len)
+    r = RequestResult(prompt_len=spec.prompt_len, streamed=stream)
     st = time.perf_counter()
     r.start = st - t0
     try:
@@ -237,6 +237,7 @@ def run(a: argparse.Namespace) -> int:
         "ttfts": [r.ttft for r in results], "e2els": [r.latency for r in results],
         "itls": [r.itl for r in results], "errors": [r.error for r in results],
         "outcomes": [r.outcome or "ok" for r in results],
+        "streamed": [r.streamed for r in results],
         "timeline": out["timeline"],
     }
     result_dir = Path(a.result_dir)

@@ -80,6 +80,7 @@ class AsyncEngine:
         self.inputs = InputProcessor(core.tokenizer, core.max_model_len)
         self.model_name = model_name
         self.metrics = Metrics(model_name)
+        self.metrics.block_report = core.block_report
         self.stats = StatsLogger(log_stats_interval)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()

@@ -23,13 +23,14 @@ from typing import NamedTuple
 from app.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from app.engine.admission import AdmissionController
 from app.engine.errors import InvalidParameter
+from app.engine.grammar import GrammarService
 from app.engine.kv_blocks import BlockManager
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
-from gpu.batch import Batch, SamplingRow, StepResult
+from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
 from gpu.runner import RunnerSpec, choose_dtype, resolve_device
 from gpu.worker import StepFailed, Worker
 from models.config import ModelConfig
@@ -61,6 +62,7 @@ def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, output_token_ids=req.output_token_ids,
         logprobs=p.logprobs, banned_token_ids=tuple(sorted(banned)),
+        logit_bias=tuple((p.logit_bias or {}).items()),
     )
 
 
@@ -85,12 +87,16 @@ class EngineCore:
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan
         self.dtype = str(runner.dtype).removeprefix("torch.")
-        self.blocks = BlockManager(self.kv_plan.num_blocks, self.config.cache.block_size)
+        cache = self.config.cache
+        self.blocks = BlockManager(self.kv_plan.num_blocks, cache.block_size,
+                                   cache.enable_prefix_caching)
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.scheduler = Scheduler(sched, self.blocks, self.admission)
         self._submitted_at = 0.0
         self.outputs = OutputProcessor(FastDecoder(self.tokenizer), self.max_model_len)
+        self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size,
+                                       self.eos_token_ids)
         self._arrivals = 0
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
@@ -122,11 +128,15 @@ class EngineCore:
             raise InvalidParameter(
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
             )
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:  # it would index the logits row on the model thread
-            raise InvalidParameter(
-                "stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:  # it would index the logits row on the model thread
+                raise InvalidParameter(
+                    name, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.n != 1:  # the server fans a request out into n sequences before this
+            raise InvalidParameter("n", "the engine runs one sequence per request: "
+                                   "add n requests (the HTTP server does this for n > 1)")
         if n >= self.max_model_len:
             raise InvalidParameter(
                 "prompt",
@@ -161,6 +171,10 @@ class EngineCore:
             arrival_seq=self._arrivals,
         )
         req.sampling = sampling_row(req, self.model_config.vocab_size)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        if params.structured is not None:  # compiled already when the server awaited it
+            req.grammar = self.grammars.matcher(self.grammars.compile_now(params.structured))
         if slo is not None:
             req.slo = slo
             s = self.scheduler
@@ -199,6 +213,7 @@ class EngineCore:
         positions: list[int] = []
         slots: list[int] = []
         qlens, ctx_lens, tables, sample_idx, rows = [], [], [], [], []
+        scoring: list[PromptLogprobsRequest] = []
         now = time.monotonic()
         for i, seq in enumerate(out.seqs):
             req, start, n = seq.request, seq.start, seq.num_new_tokens
@@ -213,16 +228,22 @@ class EngineCore:
             if seq.samples:
                 sample_idx.append(i)
                 rows.append(self._update_row(req))
-        return Batch(token_ids, positions, slots, qlens, ctx_lens, tables, sample_idx, rows)
+            if req.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+                targets = req.prompt_token_ids[start + 1:min(start + n + 1,
+                                                             req.num_prompt_tokens)]
+                scoring.append(PromptLogprobsRequest(i, targets, req.params.prompt_logprobs))
+        return Batch(token_ids, positions, slots, qlens, ctx_lens, tables, sample_idx, rows,
+                     scoring)
 
-    @staticmethod
-    def _update_row(req: Request) -> SamplingRow:
+    def _update_row(self, req: Request) -> SamplingRow:
         """Bring the request's row up to this step: only the output index and the bans
         change (no step is in flight while this runs, so the model thread is not reading)."""
         row = req.sampling
         row.output_index = req.num_output_tokens
         if row.banned_token_ids and req.num_output_tokens >= req.params.min_tokens:
             row.banned_token_ids = ()  # for good: the output never shrinks
+        if req.grammar is not None:  # a fresh tensor: the last step's may still be read
+            row.allowed = self.grammars.fill(req.grammar)
         return row
 
     def shed_expired(self) -> list[RequestOutput]:
@@ -250,6 +271,11 @@ class EngineCore:
         if result.logprobs:
             sampled = [s.request.request_id for s in out.seqs if s.samples]
             logprobs_by_req = dict(zip(sampled, result.logprobs))
+        for i, scores in result.prompt_logprobs.items():
+            seq = out.seqs[i]
+            got = seq.request.prompt_logprobs
+            if got is not None:  # positions already scored (before a preemption) stay
+                got.extend(scores[max(0, len(got) - seq.start - 1):])
         # Rows whose sampling failed on their own: those requests end with an error now.
         sampled = [s.request for s in out.seqs if s.samples]
         outputs = [self._fail(sampled[i], message) for i, message in result.failed.items()]
@@ -260,6 +286,9 @@ class EngineCore:
                 req.times.first_token = now
             token = req.output_token_ids[-1]
             delta, status = self.outputs.advance(req, token, logprobs_by_req.get(req.request_id))
+            if status is RequestStatus.FINISHED_ERROR:  # the token left the request's grammar
+                outputs.append(self._fail(req, f"token {token} is outside the grammar"))
+                continue
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(self.outputs.emit(req, delta, [token]))
@@ -281,7 +310,7 @@ class EngineCore:
                out: SchedulerOutput) -> StepStats:
         s = self.scheduler
         return StepStats(prompt_tokens, generation_tokens, len(out.preempted), len(s.running),
-                         len(s.waiting), self.blocks.usage)
+                         len(s.waiting), self.blocks.usage, out.prefix_queried, out.prefix_hit)
 
     def idle_stats(self) -> StepStats:
         """The state between steps (after aborts, or with nothing to run)."""
@@ -319,6 +348,18 @@ class EngineCore:
             self.release_in_flight()
             raise
         return self.process(step.scheduled, result)
+
+    def block_report(self) -> dict:
+        """The pool's O(1) health: counts, and whether they add up (free + cached + used ==
+        total, and no table outlives its request beyond the step in flight)."""
+        c = self.blocks.counts()
+        owners = len(self.scheduler.running) + self.scheduler.num_deferred_frees
+        c["consistent"] = (c["free"] + c["cached"] + c["used"] == c["total"]
+                           and c["tables"] <= owners)
+        return c
+
+    def reset_prefix_cache(self) -> int:
+        return self.blocks.reset_prefix_cache()
 
     def check_invariants(self) -> None:
         """Block pool invariant plus: every owner of blocks is a live running request."""

@@ -6,6 +6,8 @@ registry (tests run several servers in one process).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from app.engine.outputs import RequestOutput, StepStats
@@ -51,6 +53,11 @@ class Metrics:
         self.decode_time = Histogram(P + "request_decode_time_seconds",
                                      "First token to finish", labels, buckets=_REQUEST_BUCKETS,
                                      registry=r)
+        self.prefix_cache_queries = Counter(P + "prefix_cache_queries",
+                                            "Prefix cache lookups, in tokens", labels,
+                                            registry=r)
+        self.prefix_cache_hits = Counter(P + "prefix_cache_hits",
+                                         "Prefix cache hits, in tokens", labels, registry=r)
         # vLLM's name; reasons: queue_full, deadline (refused at arrival: it could not
         # start in time), shed (taken out of the queue unstarted when its deadline passed).
         self.admission_rejections = Counter(P + "admission_rejections",
@@ -61,6 +68,14 @@ class Metrics:
         self.wasted_prefill_tokens = Counter(P + "wasted_prefill_tokens",
                                              "Prefill tokens of requests aborted or failed",
                                              labels, registry=r)
+        # Ridgeline's own: the block pool's O(1) invariant, read at every scrape. A leak
+        # shows as kv_blocks_consistent 0 long before the pool runs dry.
+        self.kv_blocks = Gauge(P + "kv_blocks", "KV blocks by state (free, cached, used)",
+                               labels + ["state"], registry=r)
+        self.kv_blocks_consistent = Gauge(P + "kv_blocks_consistent",
+                                          "1 while free + cached + used == total and every "
+                                          "block table has an owner", labels, registry=r)
+        self.block_report: Callable[[], dict] | None = None
         # Ridgeline's own: how well the event loop keeps up (server overhead).
         self.event_loop_lag = Histogram(P + "event_loop_lag_seconds",
                                         "Lateness of a 10 ms timer on the event loop", labels,
@@ -84,9 +99,16 @@ class Metrics:
                         self.decode_time.labels(m))
         self.lag = self.event_loop_lag.labels(m)
         self._wasted = self.wasted_prefill_tokens.labels(m)
+        self._prefix_queries = self.prefix_cache_queries.labels(m)
+        self._prefix_hits = self.prefix_cache_hits.labels(m)
         self.overhead = self.step_overhead.labels(m)
 
     def render(self) -> bytes:
+        if self.block_report is not None:
+            report = self.block_report()
+            for kv_state in ("free", "cached", "used"):
+                self.kv_blocks.labels(self.model, kv_state).set(report[kv_state])
+            self.kv_blocks_consistent.labels(self.model).set(int(report["consistent"]))
         return generate_latest(self.registry)
 
     def record_step(self, stats: StepStats) -> None:
@@ -99,6 +121,9 @@ class Metrics:
             self._gen.inc(stats.generation_tokens)
         if stats.preemptions:
             self._preempt.inc(stats.preemptions)
+        if stats.prefix_cache_queries:
+            self._prefix_queries.inc(stats.prefix_cache_queries)
+            self._prefix_hits.inc(stats.prefix_cache_hits)
 
     def admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self.model, reason).inc()

@@ -81,7 +81,12 @@ class OutputProcessor:
         """The token's text delta and whether it finishes the request."""
         req, p = tracked.request, tracked.request.params
         status = None
-        if token in req.eos_token_ids or token in p.stop_token_ids:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            return "", RequestStatus.FINISHED_ERROR
+        if req.grammar is not None and req.grammar.is_terminated():
+            status = RequestStatus.FINISHED_STOPPED  # its stop token: the grammar is complete
+            delta = ""
+        elif token in req.eos_token_ids or token in p.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 tracked.stop_reason = token
@@ -128,5 +133,7 @@ class OutputProcessor:
             metrics=RequestMetrics(req.times.arrival, req.times.first_scheduled,
                                    req.times.first_token, req.times.finished,
                                    req.num_preemptions, req.num_prefilled)
+            if finished or req.num_output_tokens == 1 else None,
+            prompt_logprobs=req.prompt_logprobs
             if finished or req.num_output_tokens == 1 else None,
         )

@@ -40,6 +40,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list | None = None  # per generated token: (logprob, [(id, logprob), ...])
     delta_logprobs: list | None = None  # the entries for delta_token_ids only
+    # Per prompt position (first None): (logprob, rank, [(id, logprob), ...]); on the
+    # first and the final output of a request that asked for them.
+    prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
 
 
@@ -54,6 +57,8 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens of requests started this step, looked up
+    prefix_cache_hits: int = 0  # ... found in the prefix cache
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.engine.sampling_params import SamplingParams
 from gpu.batch import SamplingRow
@@ -73,6 +74,14 @@ class Request:
     sampling: SamplingRow | None = None  # built by the core at admission
     slo: RequestSLO = RequestSLO()
     num_prefilled: int = 0  # prefill tokens computed for it, recomputes included
+    # Prefix cache: the names of its full blocks (a hash chain), and how many of its
+    # blocks are named in the cache index.
+    block_names: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # With params.prompt_logprobs: per prompt position, (logprob, rank, top pairs); the
+    # first position has none (None).
+    prompt_logprobs: list | None = None
+    grammar: Any = None  # an xgrammar GrammarMatcher, with params.structured
 
     @property
     def num_prompt_tokens(self) -> int:

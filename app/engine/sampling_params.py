@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from app.engine.errors import InvalidParameter
+from app.engine.grammar import StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300
@@ -16,6 +17,8 @@ GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 64  # choices per request; each is a sequence in the batch
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt position: its token's and the top k
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured: StructuredOutput | None = None  # the output must match this grammar
+    cache_salt: str | None = None  # prefix-cache blocks are shared only within one salt
     n: int = field(default=1)
 
     def __post_init__(self) -> None:
@@ -52,6 +59,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict):  # JSON object keys are strings: "50256" -> 50256
+            try:
+                object.__setattr__(self, "logit_bias", {
+                    int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+                    for k, v in self.logit_bias.items()})
+            except ValueError:
+                pass
         self._validate()
         if self.temperature < GREEDY_BELOW:  # vLLM's rule: 1e-300 would divide into NaN
             object.__setattr__(self, "temperature", 0.0)
@@ -101,9 +115,18 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)[:8]}")
         check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
               f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
-        check(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (_is_int(value) and 0 <= value <= 20), name,
+                  f"{name} must be in [0, 20], got {value}")
+        check(1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}")
+        bias = self.logit_bias or {}
+        check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+              f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids to a bias")
+        check(all(_is_int(t) and t >= 0 for t in bias), "logit_bias",
+              "logit_bias keys must be token ids (non-negative integers)")
+        check(all(_is_number(b) and -100.0 <= b <= 100.0 for b in bias.values()), "logit_bias",
+              "logit_bias values must be numbers in [-100, 100]")
         check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
               "seed", f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

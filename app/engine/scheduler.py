@@ -1,10 +1,17 @@
 """Iteration-level scheduler: re-forms the batch every step under a token budget.
 
-Each step: running requests first (one decode token each, or their next prefill
-chunk), then waiting ones while the token budget, the sequence cap and the
-free blocks allow. When a running request needs a block and none is free, a
-victim (by policy) is preempted: its blocks are freed and it goes back to the
-front of the waiting queue to recompute its cache later.
+There are no prefill and decode phases, only requests whose computed tokens
+(`num_computed_tokens`, K/V in the cache) catch up with their known tokens (prompt
+and output so far). Each step: running requests first (one decode token each, or
+their next prefill chunk), then waiting ones while the token budget, the sequence
+cap and the free blocks allow. A waiting request starts at the longest prefix of
+its tokens already in the prefix cache (`kv_blocks.py`), always leaving one token
+to compute so there are logits to sample; a request whose first uncached block is
+being computed in this very step waits one step and then finds it cached.
+
+When a running request needs a block and none is free, a victim (by policy) is
+preempted: it lets go of its blocks (shared ones stay for the others, named ones
+stay cached) and goes back to the front of the waiting queue, to recompute later.
 
 Blocks of a request aborted while its step is in flight are freed only when
 that step's results come back (`update`), never while a kernel may write them.
@@ -40,6 +47,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_admitted: int = 0  # requests that joined the running batch this step
+    prefix_queried: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_hit: int = 0  # ... and found there
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,6 +112,11 @@ class Scheduler:
         return max(0, len(self.waiting) - free_slots)
 
     @property
+    def num_deferred_frees(self) -> int:
+        """Finished requests whose blocks wait for the step in flight to return."""
+        return len(self._free_after_step)
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -152,28 +166,64 @@ class Scheduler:
 
         # Admit waiting requests (preempted ones were put at the front) unless
         # something was just preempted: admitting now would only thrash.
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+        computing = self._names_computed_by(scheduled.values())
+        for req in self._waiting_order() if not out.preempted else ():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            req = self._next_waiting()
             if self.admission is not None and not self.admission.can_join(req, self.running):
                 break  # one more sequence would break a TPOT target
+            hits = self._prefix_hits(req)
+            names = req.block_names
+            if len(names) > len(hits) and names[len(hits)] in computing:
+                continue  # its next block is being computed now: next step it is cached
+            req.num_computed_tokens = len(hits) * self.blocks.block_size
             num_new = take(req)
-            if num_new == 0:
-                break
-            if not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
+            if num_new == 0 or not self.blocks.can_allocate(
+                    req.request_id, req.num_computed_tokens + num_new, hits):
+                req.num_computed_tokens = 0
                 break
             self.waiting.remove(req)
-            self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
+            self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new, hits)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seq = scheduled[req.request_id] = self._seq(req, num_new)
             budget -= num_new
             prefill_left -= num_new if seq.is_prefill else 0
             out.num_admitted += 1
+            out.prefix_queried += req.num_tokens
+            out.prefix_hit += req.num_computed_tokens
+            computing |= self._names_computed_by([seq])
 
         out.seqs = list(scheduled.values())
         self._in_flight = set(scheduled)
+        return out
+
+    def _waiting_order(self) -> list[Request]:
+        if self.config.preemption_policy == "priority":
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
+        return list(self.waiting)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks for the longest cached prefix of `req`'s tokens, at most all
+        but its last token (one must be computed to sample from). A request that wants
+        logprobs for its prompt computes every position."""
+        if not self.blocks.enable_caching or req.params.prompt_logprobs is not None:
+            return []
+        names = self.blocks.block_names(req.tokens_slice, req.block_names, req.num_tokens - 1,
+                                        req.params.cache_salt)
+        return self.blocks.match_prefix(names)
+
+    def _names_computed_by(self, seqs) -> set[int]:
+        """Names of the blocks these chunks fill this step."""
+        if not self.blocks.enable_caching:
+            return set()
+        out: set[int] = set()
+        for seq in seqs:
+            end = seq.start + seq.num_new_tokens
+            req = seq.request
+            names = self.blocks.block_names(req.tokens_slice, req.block_names, end,
+                                            req.params.cache_salt)
+            out.update(names[seq.start // self.blocks.block_size:end // self.blocks.block_size])
         return out
 
     def shed_expired(self, now: float) -> list[Request]:
@@ -201,11 +251,21 @@ class Scheduler:
             if req.is_finished:  # aborted while the step was in flight
                 continue
             req.num_computed_tokens = seq.start + seq.num_new_tokens
+            self._register_full_blocks(req)
             if token is not None:
                 req.output_token_ids.append(token)
                 got_token.append(req)
         self.release_in_flight()
         return got_token
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Name the blocks this step filled, so later requests can share them."""
+        full = req.num_computed_tokens // self.blocks.block_size
+        if self.blocks.enable_caching and full > req.num_registered_blocks:
+            names = self.blocks.block_names(req.tokens_slice, req.block_names,
+                                            req.num_computed_tokens, req.params.cache_salt)
+            self.blocks.register(req.request_id, names, req.num_registered_blocks, full)
+            req.num_registered_blocks = full
 
     @staticmethod
     def _seq(req: Request, num_new: int) -> ScheduledSeq:
@@ -231,15 +291,12 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.blocks.free(req.request_id)
+        self.blocks.free(req.request_id)  # named blocks stay cached: a resume may hit them
         req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def _next_waiting(self) -> Request:
-        if self.config.preemption_policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
-        return self.waiting[0]

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -24,12 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.config import EngineConfig, ServerSettings
+from app.config import EngineConfig, ServerSettings, serving_threads
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.server import native, openai
+from app.server.errors import APIError, api_error
 from app.server.http_protocol import with_header_timeout
-from app.server.protocol import APIError, api_error
 from app.server.state import State, state
 from app.server.streaming import ClientDisconnected
 
@@ -132,9 +133,29 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def health(request: Request) -> Response:
+    """200 while the engine can serve, else 503; the body says why, and shows the block
+    pool's O(1) invariant (`kv_blocks.consistent`) so a leak is visible from outside."""
     st = state(request)
-    ok = st.engine is not None and st.engine.healthy and not st.draining
-    return Response(status_code=200 if ok else 503)
+    engine = st.engine
+    ok = engine is not None and engine.healthy and not st.draining
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+    if st.draining:
+        body["reason"] = "draining"
+    elif st.load_error is not None:
+        body["reason"] = "model failed to load"
+    elif engine is None:
+        body["reason"] = "loading"
+    elif not ok:
+        body["reason"] = "engine stopped" if engine.dead is not None else "step stalled"
+    if engine is not None:
+        body["kv_blocks"] = engine.core.block_report()
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def reset_prefix_cache(request: Request, body: None) -> JSONResponse:
+    """Forget the prefix cache (vLLM's and SGLang's endpoint): after a weight swap, or
+    to measure without it."""
+    return JSONResponse({"dropped_blocks": state(request).engine.core.reset_prefix_cache()})
 
 
 async def metrics(request: Request) -> Response:
@@ -149,10 +170,16 @@ ROUTES = [
     Route("/v1/models", endpoint(openai.models, needs_body=False), methods=["GET"]),
     Route("/v1/completions", endpoint(openai.completions), methods=["POST"]),
     Route("/v1/chat/completions", endpoint(openai.chat_completions), methods=["POST"]),
+    Route("/v1/chat/completions/render", endpoint(openai.chat_render), methods=["POST"]),
+    Route("/v1/completions/render", endpoint(openai.completions_render), methods=["POST"]),
     Route("/generate", endpoint(native.generate), methods=["POST"]),
     Route("/tokenize", endpoint(native.tokenize), methods=["POST"]),
     Route("/detokenize", endpoint(native.detokenize), methods=["POST"]),
+    Route("/tokenizer_info", endpoint(native.tokenizer_info, needs_body=False),
+          methods=["GET"]),
     Route("/abort_request", endpoint(native.abort_request), methods=["POST"]),
+    Route("/reset_prefix_cache", endpoint(reset_prefix_cache, needs_body=False),
+          methods=["POST"]),
 ]
 
 
@@ -176,8 +203,11 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
 
 async def _load(st: State, prebuilt: EngineCore | None) -> None:
+    config = st.config
+    if config.torch_threads is None:  # serving: the event loop keeps a core of its own
+        config = replace(config, torch_threads=serving_threads())
     try:
-        core = prebuilt or await asyncio.to_thread(EngineCore, st.config)
+        core = prebuilt or await asyncio.to_thread(EngineCore, config)
     except BaseException as e:
         st.load_error = e
         log.exception("model failed to load")

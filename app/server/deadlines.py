@@ -21,7 +21,7 @@ from starlette.requests import Request
 
 from app.config import ServerSettings
 from app.engine.request import RequestSLO
-from app.server.protocol import APIError
+from app.server.errors import APIError
 
 TIMEOUT_HEADERS = ("x-request-timeout", "x-stainless-read-timeout")
 

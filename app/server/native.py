@@ -7,24 +7,26 @@ SGLang's names mapped to ours) and answers with SGLang's shape: cumulative
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
+from app.server.errors import APIError, parse, parse_params
+from app.server.logprobs import output_entries, prompt_entries
 from app.server.protocol import (
     AbortRequest,
-    APIError,
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
-    parse,
-    parse_params,
 )
 from app.server.state import engine
 from app.server.streaming import collect, queue_all, sse, started
+from app.server.structured import compiled, from_sglang
 
 
 async def generate(request: Request, body: dict) -> JSONResponse | EventSourceResponse:
@@ -33,31 +35,45 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
         raise APIError(400, "give exactly one of 'text' or 'input_ids'", "text")
     inputs = engine(request).inputs
     ids = await inputs.tokenize(req.text, "text") if req.text is not None else req.input_ids
-    params = parse_params(req.sampling_params.to_params, "sampling_params")
+    structured = await compiled(request, from_sglang(req.sampling_params))
+    logprobs = req.top_logprobs_num if req.return_logprob else None
+    prompt_logprobs = logprobs if req.return_logprob and req.logprob_start_len >= 0 else None
+    params = parse_params(lambda: req.sampling_params.to_params(
+        structured=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
+        "sampling_params")
     (stream,) = queue_all(request, [ids], params, 0, req.rid)
 
-    def result(out: RequestOutput, text: str, output_ids: list[int]) -> dict:
+    def result(out: RequestOutput, text: str, output_ids: list[int], entries: list) -> dict:
         reason = None
         if out.finished:
             reason = {"type": out.finish_reason, "matched": out.stop_reason}
-        return {"text": text, "output_ids": output_ids, "meta_info": {
-            "id": out.request_id, "prompt_tokens": len(ids),
-            "completion_tokens": len(output_ids), "finish_reason": reason}}
+        meta = {"id": out.request_id, "prompt_tokens": len(ids),
+                "completion_tokens": len(output_ids), "finish_reason": reason}
+        if req.return_logprob:  # SGLang's triples: [logprob, token id, text (None)]
+            meta["output_token_logprobs"] = [[lp, t, None] for t, lp, _ in entries]
+            meta["output_top_logprobs"] = [[[v, i, None] for i, v in top or ()]
+                                           for _, _, top in entries]
+            if out.prompt_logprobs is not None:
+                start = req.logprob_start_len
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for t, lp, _ in prompt_entries(ids, out.prompt_logprobs)[start:]]
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
     if req.stream:
         outputs = await started(request, [stream])
 
         async def events() -> AsyncIterator[dict]:
-            text, output_ids = "", []
+            text, output_ids, entries = "", [], []
             async for _, out in outputs:
                 # SGLang streams cumulative text; build it from the deltas, since the
                 # request's live token list may already be ahead of this event.
                 text += out.delta_text
                 output_ids += out.delta_token_ids
-                yield result(out, text, list(output_ids))
+                entries += output_entries(out, delta_only=True)
+                yield result(out, text, list(output_ids), entries)
         return sse(events())
     (out,) = await collect(request, [stream])
-    return JSONResponse(result(out, out.text, list(out.token_ids)))
+    return JSONResponse(result(out, out.text, list(out.token_ids), output_entries(out)))
 
 
 async def tokenize(request: Request, body: dict) -> JSONResponse:
@@ -88,3 +104,29 @@ async def detokenize(request: Request, body: dict) -> JSONResponse:
 async def abort_request(request: Request, body: dict) -> JSONResponse:
     req = parse(AbortRequest, body)
     return JSONResponse({"rid": req.rid, "aborted": engine(request).abort(req.rid)})
+
+
+async def tokenizer_info(request: Request, body: None) -> JSONResponse:
+    """vLLM's /tokenizer_info: the tokenizer's configuration, so that clients (lm-eval's
+    API models among them) tokenize with the server instead of downloading it."""
+    core = engine(request).core
+    tok = core.tokenizer
+    info: dict[str, Any] = {}
+    for key, value in getattr(tok, "init_kwargs", {}).items():
+        if key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+            continue
+        value = getattr(value, "content", value)  # AddedToken -> its text
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        info[key] = value
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tok, name, None)
+        if token is not None:
+            info[name] = getattr(token, "content", token)
+    info["tokenizer_class"] = type(tok).__name__
+    info["model_max_length"] = core.max_model_len
+    if getattr(tok, "chat_template", None):
+        info["chat_template"] = tok.chat_template
+    return JSONResponse(info)

@@ -1,105 +1,21 @@
-"""OpenAI-compatible request bodies (pydantic), and the one error type of the HTTP layer.
+"""OpenAI-compatible request bodies (pydantic), strictly typed.
 
-Every failure leaves the server as `APIError` → `{"error": {...}}` with its status;
-`api_error()` is the one place where the engine's typed errors get their status.
+Which fields each endpoint honours, ignores on purpose, or refuses is listed in
+`docs/api.md`; a test walks that table.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from app.engine.errors import (
-    EngineDead,
-    InvalidParameter,
-    QueueFull,
-    RequestFailed,
-    RequestShed,
-)
+from app.engine.grammar import StructuredOutput
 from app.engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-
-
-class APIError(Exception):
-    """An error the HTTP layer turns into `{"error": {...}}` with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type, self.code, self.headers = type_, code, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _is_union_tag(part: str) -> bool:
-    """pydantic names the member of a union it tried (`str`, `list[str]`, `ContentPart`)
-    in an error's location; the client's field path has none of those."""
-    return part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper()
-
-
-def from_validation_error(e: ValidationError, prefix: str | None = None) -> APIError:
-    err = e.errors(include_url=False)[0]
-    loc = [str(p) for p in err["loc"] if not _is_union_tag(str(p))]
-    param = ".".join(([prefix] if prefix else []) + loc) or None
-    value = repr(err.get("input"))
-    if len(value) > 80:
-        value = value[:80] + "..."
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":  # OpenAI's words; param is the field's container
-        container = ".".join(([prefix] if prefix else []) + loc[:-1]) or None
-        return APIError(400, f"Unrecognized request argument supplied: {param}", container)
-    return APIError(400, f"invalid value for '{param}': {value}: {msg}", param)
-
-
-def api_error(e: Exception, retry_after_seconds: int = 1) -> APIError | None:
-    """The HTTP form of an engine error; None for an error that is a bug (→ 500)."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, InvalidParameter):
-        return APIError(400, str(e), e.param)
-    if isinstance(e, QueueFull | RequestShed):
-        wait = e.retry_after if e.retry_after is not None else retry_after_seconds
-        code = e.reason if isinstance(e, QueueFull) else "shed"
-        return APIError(503, f"server is overloaded: {e}", None, "service_unavailable", code,
-                        {"Retry-After": str(max(1, math.ceil(wait)))})
-    if isinstance(e, EngineDead):
-        return APIError(503, str(e), None, "service_unavailable")
-    if isinstance(e, RequestFailed):
-        return APIError(500, str(e), None, "server_error")
-    return None
-
-
-def parse(model_cls: type[BaseModel], body: Any) -> Any:
-    """Validate a JSON body into a pydantic model, as a 400 APIError on failure."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", None)
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
-def parse_params(build: Callable[[], SamplingParams], prefix: str | None = None) -> SamplingParams:
-    """SamplingParams from a validated body; a range error names the field under `prefix`."""
-    try:
-        return build()
-    except InvalidParameter as e:
-        raise APIError(400, str(e), f"{prefix}.{e.param}" if prefix else e.param) from e
-
+from app.server.errors import APIError
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 MAX_PROMPTS = 256  # prompts in one /v1/completions body (each is a request)
@@ -107,17 +23,81 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions body (each is a request)
 
 class Body(BaseModel):
     """Every request body: strict types (`"no"` is not a boolean, 2.5 is not an integer),
-    as the OpenAI API itself checks them."""
+    as the OpenAI API itself checks them, and nothing silently ignored: a field is a
+    declared one (honoured), one of `IGNORED` (accepted on purpose: it cannot change the
+    output), one of `ONLY_DEFAULT` (accepted at the value that means "off", refused
+    otherwise), or a 400 naming it."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+    ONLY_DEFAULT: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _field_policy(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, allowed in cls.ONLY_DEFAULT.items():
+            if name in data and data[name] not in allowed:
+                raise PydanticCustomError(
+                    "not_supported", "{field}={value} is not supported (accepted: {allowed})",
+                    {"field": name, "value": repr(data[name])[:40],
+                     "allowed": ", ".join(map(repr, allowed))})
+        return {k: v for k, v in data.items()
+                if k not in cls.IGNORED and k not in cls.ONLY_DEFAULT}
+
+
+# OpenAI fields that cannot change what is generated, and fields vllm-router adds to
+# every body it forwards (reasoning switches for reasoning models; Ridgeline has none).
+IGNORED_OPENAI = frozenset({"user", "store", "metadata", "service_tier", "prediction"})
+IGNORED_ROUTER = frozenset({"include_reasoning", "separate_reasoning", "stream_reasoning"})
+# Accepted only at the value that means "off" (the router sends some of them).
+ONLY_DEFAULT_COMMON = {"best_of": (None, 1), "return_hidden_states": (None, False),
+                       "guided_decoding_backend": (None, "auto", "xgrammar"),
+                       "spaces_between_special_tokens": (None, True),
+                       "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+                       "truncate_prompt_tokens": (None,), "reasoning_effort": (None,)}
 
 
 class StreamOptions(Body):
     include_usage: bool = False
+    ONLY_DEFAULT = {"continuous_usage_stats": (None, False)}
+
+
+class JsonSchemaFormat(Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's `response_format` (and vLLM's `structural_tag` type)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # structural_tag carries its own
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    ONLY_DEFAULT = {"disable_any_whitespace": (None, False, True),
+                    "disable_additional_properties": (None, False),
+                    "whitespace_pattern": (None,), "backend": (None, "auto", "xgrammar")}
 
 
 class _SamplingFields(Body):
     """Sampling fields shared by both OpenAI endpoints, plus vLLM's extensions."""
+
+    IGNORED = IGNORED_OPENAI | IGNORED_ROUTER
+    ONLY_DEFAULT = ONLY_DEFAULT_COMMON
 
     model: str | None = None
     temperature: float | None = None
@@ -141,11 +121,28 @@ class _SamplingFields(Body):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     request_id: str | None = Field(None, max_length=256)
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of every prompt token
+    no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output (the router sends it)
+    cache_salt: str | None = Field(None, max_length=256)  # vLLM's: a private prefix cache
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the
+    # older guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true",
+                           "prompt_logprobs")
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -157,12 +154,16 @@ class _SamplingFields(Body):
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or bool(self.no_stop_trim),
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias=self.logit_bias,
+            structured=structured,
+            cache_salt=self.cache_salt,
             n=self.n,
         )
 
@@ -172,10 +173,13 @@ class _SamplingFields(Body):
 
 
 class CompletionRequest(_SamplingFields):
+    ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "suffix": (None,)}
+
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: score the prompt alone
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: when tokenizing a text prompt
 
     @field_validator("prompt")
     @classmethod
@@ -216,13 +220,43 @@ class ChatMessage(Body):
         return out
 
 
+class FunctionDef(Body):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
+    ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "echo": (None, False)}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template: str | None = Field(None, max_length=1 << 16)  # vLLM's: per request
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates that render them
 
 
 class GenerateSamplingParams(Body):
@@ -243,24 +277,39 @@ class GenerateSamplingParams(Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     n: int = 1
+    no_stop_trim: bool = False  # keep the stop string in the text
+    # Structured outputs, SGLang's names (at most one).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, **extra: Any) -> SamplingParams:
         fields = self.model_dump(exclude={"max_new_tokens", "min_new_tokens", "stop",
-                                          "stop_token_ids"})
+                                          "stop_token_ids", "no_stop_trim", "json_schema",
+                                          "regex", "ebnf"})
         return SamplingParams(max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens,
                               stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-                              stop_token_ids=self.stop_token_ids or [], **fields)
+                              stop_token_ids=self.stop_token_ids or [],
+                              include_stop_str_in_output=self.no_stop_trim, **fields, **extra)
 
 
 class GenerateRequest(Body):
     """SGLang's native /generate body."""
+
+    ONLY_DEFAULT = {"return_hidden_states": (None, False)}  # vllm-router sends false
 
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = Field(None, max_length=256)
+    # SGLang's logprobs: of the output tokens, and of the input from logprob_start_len
+    # on (-1: none), with the top `top_logprobs_num` alternatives.
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=20)
 
 
 class TokenizeRequest(Body):

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
-from app.server.protocol import APIError
+from app.server.errors import APIError
 
 
 @dataclass

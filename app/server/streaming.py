@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -21,7 +22,7 @@ from app.engine.async_engine import RequestStream
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.server.deadlines import request_slo
-from app.server.protocol import APIError, error_body
+from app.server.errors import APIError, error_body
 from app.server.state import state
 
 
@@ -31,14 +32,25 @@ class ClientDisconnected(Exception):
 
 def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams,
               priority: int, request_id: str | None) -> list[RequestStream]:
-    """Queue every prompt or none: a failure aborts the ones already queued."""
+    """Queue every prompt `params.n` times, or none: a failure aborts the ones queued.
+
+    Choice `i * n + j` is prompt i's j-th sample (OpenAI's and vLLM's order). Each is
+    its own sequence with its own sampling stream (a seed becomes seed + j, so seeded
+    choices are reproducible and differ); they share the prompt's KV blocks through
+    the prefix cache."""
     st = state(request)
     engine, slo = st.engine, request_slo(request, st.settings)
+    n = params.n
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
-            rid = None if request_id is None else (request_id if i == 0 else f"{request_id}-{i}")
-            streams.append(engine.add_request(ids, params, rid, priority, slo))
+            for j in range(n):
+                index = i * n + j
+                child = params if n == 1 else replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + j)
+                rid = None if request_id is None else (
+                    request_id if index == 0 else f"{request_id}-{index}")
+                streams.append(engine.add_request(ids, child, rid, priority, slo))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)

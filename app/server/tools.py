@@ -1,0 +1,253 @@
+"""Tool calls: tools rendered into the prompt, calls parsed out of the output.
+
+Rendering. A chat template that knows `tools` gets them as they are (and assistant
+`tool_calls` with their arguments as objects, as templates expect). A template that
+does not (SmolLM2's) gets Ridgeline's default tool prompt — a system message in the
+Hermes convention that most small open models were trained on — and the history in
+the same convention: an assistant's calls as `<tool_call>` blocks, a tool's result as a
+`<tool_response>` block in a user turn, `developer` as `system`, `content: null` as "".
+
+Parsing (`--tool-call-parser hermes`, vLLM's name): `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks become `message.tool_calls` with ids, the rest
+stays `content`, and the finish reason becomes `tool_calls`. `ToolCallStream` does the
+same on a stream, as OpenAI streams it: the call's id and name first, then its
+arguments in pieces as they are generated.
+
+`tool_choice` "required" and a named function constrain the output with the tools'
+JSON schemas (xgrammar structural tags), so the arguments are valid whatever the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from app.engine.grammar import StructuredOutput
+
+START, END = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_BLOCK = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+DEFAULT_TOOL_PROMPT = """# Tools
+
+You can call functions to help with the user's request. Their signatures, as JSON, are \
+inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with a JSON object holding its name and arguments inside \
+<tool_call></tool_call>, one block per call:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments as a JSON object>}}
+</tool_call>"""
+
+
+def template_supports_tools(tokenizer, template: str | None = None) -> bool:
+    source = template or getattr(tokenizer, "chat_template", None) or ""
+    return "tools" in source
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def render(messages: list[dict], tools: list[dict] | None,
+           native: bool) -> tuple[list[dict], dict[str, Any]]:
+    """Messages (and template keyword arguments) ready for the chat template."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        calls = m.get("tool_calls") or []
+        if native:
+            if calls:
+                m["tool_calls"] = [{**c, "function": {**c.get("function", {}), "arguments":
+                                    _arguments(c.get("function", {}).get("arguments"))}}
+                                   for c in calls]
+            out.append(m)
+            continue
+        m.pop("tool_calls", None)
+        content = m.get("content") or ""
+        if calls:
+            blocks = [f"{START}\n" + json.dumps({
+                "name": c.get("function", {}).get("name"),
+                "arguments": _arguments(c.get("function", {}).get("arguments"))}) + f"\n{END}"
+                for c in calls]
+            content = "\n".join([content, *blocks]) if content else "\n".join(blocks)
+        if m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        else:
+            m["content"] = content
+        out.append(m)
+    if not tools:
+        return out, {}
+    if native:
+        return out, {"tools": tools}
+    prompt = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".strip()}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+def _tag(function: dict) -> dict:
+    params = function.get("parameters") or {"type": "object"}
+    return {"type": "tag", "begin": f'{START}\n{{"name": {json.dumps(function["name"])}, '
+                                    f'"arguments": ',
+            "content": {"type": "json_schema", "json_schema": params}, "end": f"}}\n{END}"}
+
+
+def grammar_for(tools: list[dict], choice: Any, parallel: bool) -> StructuredOutput | None:
+    """The structural tag that forces calls: any of the tools ("required") or one named."""
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        fn = next((t["function"] for t in tools if t["function"]["name"] == name), None)
+        if fn is None:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        fmt: dict = _tag(fn)
+    elif choice == "required":
+        fmt = {"type": "tags_with_separator", "tags": [_tag(t["function"]) for t in tools],
+               "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}
+    else:
+        return None
+    return StructuredOutput("structural_tag", json.dumps({"type": "structural_tag",
+                                                          "format": fmt}))
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """Content and tool calls of a whole output. A block that is not a valid call stays
+    in the content, as text."""
+    calls: list[dict] = []
+    kept: list[str] = []
+    last = 0
+    for m in _BLOCK.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(name, str) or (calls and not parallel):
+            continue
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(_call(name, args if isinstance(args, str) else json.dumps(args)))
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+class ToolCallStream:
+    """Streamed text in, content and tool-call deltas out (see the module docstring)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.calls: list[dict] = []
+        self._buf = ""
+        self._mode = "text"  # text → head → args → tail → text
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self._buf += text
+        content, deltas = "", []
+        while True:
+            step = getattr(self, f"_{self._mode}")()
+            if step is None:
+                return content, deltas
+            text_out, delta = step
+            content += text_out
+            if delta is not None:
+                deltas.append(delta)
+
+    def _text(self):
+        i = self._buf.find(START)
+        if i < 0:
+            keep = next((k for k in range(min(len(START) - 1, len(self._buf)), 0, -1)
+                         if START.startswith(self._buf[-k:])), 0)
+            out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            return (out, None) if out else None
+        out, self._buf, self._mode = self._buf[:i], self._buf[i + len(START):], "head"
+        return out, None
+
+    def _head(self):
+        m = _HEAD.match(self._buf)
+        if m is None:
+            if END in self._buf or len(self._buf) > 512:  # not a call after all: text
+                out, self._buf, self._mode = START + self._buf, "", "text"
+                return out, None
+            return None
+        self._buf, self._mode = self._buf[m.end():], "args"
+        if self.calls and not self.parallel:
+            self._mode = "skip"
+            return "", None
+        call = _call(json.loads(f'"{m.group(1)}"'), "")
+        self.calls.append(call)
+        return "", {"index": len(self.calls) - 1, **call}
+
+    def _args(self):
+        if not self._buf:
+            return None
+        end = self._scan()
+        piece, self._buf = self._buf[:end], self._buf[end:]
+        self.calls[-1]["function"]["arguments"] += piece
+        if self._depth == 0 and end > 0 and self._value_closed(piece):
+            self._mode = "tail"
+        return "", {"index": len(self.calls) - 1, "function": {"arguments": piece}}
+
+    def _scan(self) -> int:
+        """How much of the buffer belongs to the arguments object; updates the depth."""
+        for i, ch in enumerate(self._buf):
+            if self._in_string:
+                self._escaped = not self._escaped and ch == "\\"
+                if ch == '"' and not self._escaped:
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return len(self._buf)
+
+    @staticmethod
+    def _value_closed(piece: str) -> bool:
+        return piece.rstrip().endswith(("}", "]"))
+
+    def _tail(self):
+        i = self._buf.find(END)
+        if i < 0:
+            return None
+        self._buf, self._mode = self._buf[i + len(END):].lstrip("\n"), "text"
+        return "", None
+
+    def _skip(self):  # a second call when parallel calls are off: dropped
+        i = self._buf.find(END)
+        if i < 0:
+            self._buf = ""
+            return None
+        self._buf, self._mode = self._buf[i + len(END):], "text"
+        return "", None
+
+    def finish(self) -> str:
+        """Text still held back (a possible `<tool_call>` prefix that never completed)."""
+        out = self._buf if self._mode == "text" else ""
+        self._buf = ""
+        return out
