@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=None)
     e.set_defaults(func=cmd_export)
 
+    r = sub.add_parser("replicas", help="N `ridgeline serve` replicas behind vllm-router")
+    from app import replicas
+
+    replicas.add_arguments(r)
+    r.set_defaults(func=lambda a: replicas.run(a))
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     t = bsub.add_parser("throughput", help="offline throughput (optionally vs HF transformers)")

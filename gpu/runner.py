@@ -20,6 +20,7 @@ from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.sampler import Sampler
+from gpu.threads import ThreadGovernor
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.weights import iter_safetensors
@@ -125,9 +126,14 @@ class ModelRunner:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
         self.config = ModelConfig.from_dir(spec.model_dir)
-        if spec.torch_threads and self.device.type == "cpu":
+        # CPU threads: a fixed number when asked, else fitted to what the host leaves free.
+        self.governor: ThreadGovernor | None = None
+        if self.device.type == "cpu" and spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
-        log.info("torch uses %d CPU threads", torch.get_num_threads())
+        elif self.device.type == "cpu":
+            self.governor = ThreadGovernor.for_this_host()
+        log.info("torch uses %d CPU threads%s", torch.get_num_threads(),
+                 " (adjusted to the cores the host leaves free)" if self.governor else "")
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len)
@@ -219,6 +225,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        if self.governor is not None:
+            self.governor.tick()
         dev = self.device
         qsl = list(itertools.accumulate(batch.query_lens, initial=0))
         if self.graphs is not None and self.graphs.can_run(batch):

@@ -39,6 +39,7 @@ from app.bench.workload import (
     TokenCounter,
     arrival_gaps,
     load_tokenizer,
+    prefix_repetition_requests,
     random_requests,
     sharegpt_requests,
 )
@@ -146,6 +147,10 @@ async def benchmark(a: argparse.Namespace) -> dict | None:
                 return None
             specs = await sharegpt_requests(a.dataset_path, a.num_prompts, a.seed, count,
                                             a.sharegpt_output_len)
+        elif a.dataset_name == "prefix_repetition":
+            specs = await prefix_repetition_requests(
+                a.num_prompts, a.prefix_repetition_prefix_len, a.prefix_repetition_suffix_len,
+                a.prefix_repetition_num_prefixes, a.prefix_repetition_output_len, a.seed, count)
         else:
             specs = await random_requests(a.num_prompts, a.input_len, a.output_len,
                                           a.random_range_ratio, a.seed, count,

@@ -37,7 +37,8 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="count prompt tokens locally with this HF tokenizer (needs the "
                    "engine extra); default: the server's /tokenize")
     v.add_argument("--api-key", default=os.environ.get("RIDGELINE_API_KEY"))
-    v.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    v.add_argument("--dataset-name", default="random",
+                   choices=["random", "sharegpt", "prefix_repetition"])
     v.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
     v.add_argument("--num-prompts", type=int, default=100)
     v.add_argument("--random-input-len", "--input-len", dest="input_len", type=int,
@@ -49,6 +50,10 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random lengths in [len*(1-r), len*(1+r)]")
     v.add_argument("--sharegpt-output-len", type=int, default=None)
+    v.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    v.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    v.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    v.add_argument("--prefix-repetition-output-len", type=int, default=128)
     v.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s (inf: all at once)")
     v.add_argument("--burstiness", type=float, default=1.0,

@@ -89,6 +89,28 @@ async def random_requests(n: int, input_len: int, output_len: int, ratio: float,
     return specs
 
 
+async def prefix_repetition_requests(n: int, prefix_len: int, suffix_len: int,
+                                     num_prefixes: int, output_len: int, seed: int,
+                                     count: TokenCounter) -> list[RequestSpec]:
+    """vLLM's `prefix_repetition` dataset: `num_prefixes` distinct prefixes (tenants'
+    system prompts), each shared by an equal share of the prompts, a random suffix each,
+    in shuffled order — the load that routing by cache is for."""
+    rng = random.Random(seed)
+    sample = " ".join(rng.choice(WORDS) for _ in range(256))
+    per_word = await count(sample) / 256
+
+    def words(tokens: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, round(tokens / per_word))))
+
+    prefixes = [f"tenant {k}: " + words(prefix_len) for k in range(num_prefixes)]
+    n_prefix = [await count(p) for p in prefixes]
+    specs = [RequestSpec(prefixes[i % num_prefixes] + f" {i} " + words(suffix_len),
+                         n_prefix[i % num_prefixes] + suffix_len, output_len)
+             for i in range(n)]
+    rng.shuffle(specs)
+    return specs
+
+
 async def sharegpt_requests(path: str, n: int, seed: int, count: TokenCounter,
                             output_len: int | None) -> list[RequestSpec]:
     """First human turn → prompt; the reply's length → output length (vLLM's filters)."""

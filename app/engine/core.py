@@ -25,6 +25,7 @@ from app.engine.admission import AdmissionController
 from app.engine.errors import InvalidParameter
 from app.engine.grammar import GrammarService
 from app.engine.kv_blocks import BlockManager
+from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.request import Request, RequestSLO, RequestStatus
@@ -90,6 +91,7 @@ class EngineCore:
         cache = self.config.cache
         self.blocks = BlockManager(self.kv_plan.num_blocks, cache.block_size,
                                    cache.enable_prefix_caching)
+        self.kv_events = self._kv_event_publisher(KVEventsConfig.parse(cache.kv_events_config))
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.scheduler = Scheduler(sched, self.blocks, self.admission)
@@ -98,6 +100,17 @@ class EngineCore:
         self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size,
                                        self.eos_token_ids)
         self._arrivals = 0
+
+    def _kv_event_publisher(self, config: KVEventsConfig) -> ZmqPublisher | None:
+        if not (config.enable_kv_cache_events and config.publisher == "zmq"):
+            return None
+        self.blocks.events = KVEventLog(self.blocks.block_size)
+        return ZmqPublisher(config)
+
+    def publish_kv_events(self) -> None:
+        """Send what the last step (or a reset) changed in the prefix cache."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.blocks.events.take())
 
     def _resolve_max_model_len(self, config: EngineConfig) -> int:
         model_max = self.model_config.max_context_len
@@ -292,6 +305,7 @@ class EngineCore:
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(self.outputs.emit(req, delta, [token]))
+        self.publish_kv_events()
         return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out))
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> StepOutputs:
@@ -359,7 +373,9 @@ class EngineCore:
         return c
 
     def reset_prefix_cache(self) -> int:
-        return self.blocks.reset_prefix_cache()
+        dropped = self.blocks.reset_prefix_cache()
+        self.publish_kv_events()
+        return dropped
 
     def check_invariants(self) -> None:
         """Block pool invariant plus: every owner of blocks is a live running request."""
@@ -370,3 +386,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+        self.grammars.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from app.engine.kv_events import KVEventLog
+
 
 class NoFreeBlocks(RuntimeError):
     pass
@@ -54,6 +56,7 @@ class BlockManager:
         self._index: dict[int, int] = {}  # name -> block
         self._tables: dict[str, list[int]] = {}
         self._num_referenced = 0
+        self.events: KVEventLog | None = None  # set to publish what the cache holds
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -116,22 +119,40 @@ class BlockManager:
         return hits
 
     def register(self, request_id: str, names: Sequence[int], start_block: int,
-                 end_block: int) -> None:
+                 end_block: int, tokens: Callable[[int, int], Sequence[int]] | None = None
+                 ) -> None:
         """Name the request's blocks [start_block, end_block), now full: later prompts
-        may share them. A name already held by another block keeps that block."""
+        may share them. A name already held by another block keeps that block. With an
+        event log, each run of newly named blocks is a `BlockStored` (`tokens(a, b)`
+        slices the request's token ids)."""
         if not self.enable_caching:
             return
         table = self._tables[request_id]
+        run: list[int] = []
         for i in range(start_block, min(end_block, len(table), len(names))):
             block, name = table[i], names[i]
             if self._name[block] is None and name not in self._index:
                 self._name[block] = name
                 self._index[name] = block
+                run.append(i)
+            elif run:
+                self._stored(names, run, tokens)
+                run = []
+        if run:
+            self._stored(names, run, tokens)
+
+    def _stored(self, names: Sequence[int], run: list[int], tokens) -> None:
+        if self.events is not None and tokens is not None:
+            first, last, bs = run[0], run[-1], self.block_size
+            self.events.stored([names[i] for i in run], names[first - 1] if first else None,
+                               list(tokens(first * bs, (last + 1) * bs)))
 
     def reset_prefix_cache(self) -> int:
         """Forget every name: cached blocks become free; blocks in use are no longer
         shared with later requests. Returns how many cached blocks were dropped."""
         dropped = len(self._evictable)
+        if self.events is not None:
+            self.events.cleared()
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._index.clear()
@@ -184,6 +205,8 @@ class BlockManager:
             return self._free.pop()
         block, _ = self._evictable.popitem(last=False)
         del self._index[self._name[block]]
+        if self.events is not None:
+            self.events.removed([self._name[block]])
         self._name[block] = None
         return block
 

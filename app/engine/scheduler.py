@@ -264,7 +264,8 @@ class Scheduler:
         if self.blocks.enable_caching and full > req.num_registered_blocks:
             names = self.blocks.block_names(req.tokens_slice, req.block_names,
                                             req.num_computed_tokens, req.params.cache_salt)
-            self.blocks.register(req.request_id, names, req.num_registered_blocks, full)
+            self.blocks.register(req.request_id, names, req.num_registered_blocks, full,
+                                 req.tokens_slice)
             req.num_registered_blocks = full
 
     @staticmethod

@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -25,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app.config import EngineConfig, ServerSettings, serving_threads
+from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.server import native, openai
@@ -203,11 +202,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
 
 
 async def _load(st: State, prebuilt: EngineCore | None) -> None:
-    config = st.config
-    if config.torch_threads is None:  # serving: the event loop keeps a core of its own
-        config = replace(config, torch_threads=serving_threads())
     try:
-        core = prebuilt or await asyncio.to_thread(EngineCore, config)
+        core = prebuilt or await asyncio.to_thread(EngineCore, st.config)
     except BaseException as e:
         st.load_error = e
         log.exception("model failed to load")

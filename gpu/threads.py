@@ -1,0 +1,94 @@
+"""torch's CPU thread count, fitted to the cores the rest of the host leaves free.
+
+torch's CPU kernels run on OpenMP threads that spin at every barrier. On this 2-core
+machine (docs/robustness.md, `benchmarks/threads.py`), with the host otherwise idle, 2
+threads decode 1.8x faster than 1; beside one busy process, 2 threads decode 1.9x
+*slower* than 1 — each barrier waits for a thread the kernel has descheduled. No fixed
+number is right for a shared host, so by default the model thread asks, every few
+seconds, how much CPU everything else on the host used (/proc/stat, less this
+process's own /proc/self/stat), and runs on the cores left. `--torch-threads N` fixes
+the number instead. Off Linux (no /proc) it keeps torch's default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("ridgeline.threads")
+
+CHECK_EVERY_S = 2.0
+# A core counts as taken when others used at least this much of one over a check.
+TAKEN = 0.5
+
+
+def host_busy_ticks() -> int:
+    """Busy time since boot, in clock ticks, of the CPUs this process may run on (the
+    `cpuN` lines of /proc/stat): in a container on a big host, only ours count."""
+    mine = os.sched_getaffinity(0)
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *values = line.split()
+            if not name.startswith("cpu") or name == "cpu":
+                if busy or not name.startswith("cpu"):
+                    break
+                continue
+            if int(name[3:]) in mine:
+                fields = [int(x) for x in values[:8]]  # user nice system idle iowait ...
+                busy += sum(fields) - fields[3] - fields[4]
+    return busy
+
+
+def own_ticks() -> int:
+    """This process's CPU time, every thread, in clock ticks."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, interval: float = CHECK_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 host: Callable[[], int] = host_busy_ticks, own: Callable[[], int] = own_ticks,
+                 set_threads: Callable[[int], None] = torch.set_num_threads):
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self._interval, self._clock, self._host, self._own = interval, clock, host, own
+        self._set = set_threads
+        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = (clock(), host(), own())
+
+    @classmethod
+    def for_this_host(cls) -> ThreadGovernor | None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+        if cores < 2 or not os.path.exists("/proc/stat"):
+            return None
+        return cls(cores)
+
+    def others_busy(self) -> float | None:
+        """Cores the rest of the host used since the last look (None: too soon)."""
+        now = self._clock()
+        last_t, last_host, last_own = self._last
+        if now - last_t < self._interval:
+            return None
+        host, own = self._host(), self._own()
+        self._last = (now, host, own)
+        return max(0.0, (host - last_host) - (own - last_own)) / self._hz / (now - last_t)
+
+    def tick(self) -> None:
+        """Once per step, on the model thread: adjust the thread count if the host changed."""
+        busy = self.others_busy()
+        if busy is None:
+            return
+        taken = int(busy + (1 - TAKEN))  # 0.5 of a core or more counts as a core
+        threads = max(1, min(self.max_threads, self.max_threads - taken))
+        if threads != self.threads:
+            log.info("torch threads %d -> %d (the rest of the host used %.1f cores)",
+                     self.threads, threads, busy)
+            self.threads = threads
+            self._set(threads)
