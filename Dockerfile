@@ -44,9 +44,10 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY gpu ./gpu
 COPY models ./models
-# The engine extra: torch (met above), transformers, the server. A local path, not a pin.
+# The engine extra (torch, met above; transformers; the server) and vllm-router for the
+# compose "router" profile. A local path, not a pin.
 # hadolint ignore=DL3013
-RUN pip install .\[engine\] && ridgeline --help > /dev/null
+RUN pip install .\[engine,router\] && ridgeline --help > /dev/null
 
 # uid 10001: the base image already has 1000 (ubuntu); numeric so runAsNonRoot can check it.
 RUN useradd --create-home --uid 10001 --user-group ridgeline \

@@ -76,6 +76,9 @@ class SchedulerConfig:
                                           "and decodes together)")
     max_queued_requests: int | None = setting(None, "waiting requests beyond which new ones "
                                               "get 503 (default: unbounded)")
+    long_prefill_token_threshold: int = setting(
+        0, "while requests are decoding, a prefill chunk takes at most this many tokens a "
+        "step, so a long prompt does not stall every stream (0: no cap; vLLM's name)")
     preemption_policy: str = setting("newest", "which running request gives up its KV blocks "
                                      "when the pool is full", choices=PREEMPTION_POLICIES)
 
@@ -84,6 +87,7 @@ class SchedulerConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len, 2)
         _positive("max_queued_requests", self.max_queued_requests)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.preemption_policy not in PREEMPTION_POLICIES:
             raise ValueError(f"preemption_policy must be one of {PREEMPTION_POLICIES}, "
                              f"got {self.preemption_policy!r}")

@@ -177,3 +177,16 @@ def test_compose_and_nginx():
     nginx = services["nginx"]
     assert any(v.startswith("./nginx.conf:") for v in nginx["volumes"])
     assert all(d["condition"] == "service_healthy" for d in nginx["depends_on"].values())
+
+
+def test_compose_router_profile():
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    router = services["router"]
+    assert router["profiles"] == ["router"] and router["entrypoint"] == ["vllm-router"]
+    cmd = router["command"]
+    workers = cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3]
+    assert workers == ["http://ridgeline:8000", "http://ridgeline-2:8000"]
+    assert "router" in services["ridgeline-2"]["profiles"]
+    assert all(d["condition"] == "service_healthy" for d in router["depends_on"].values())
+    assert "/readiness" in " ".join(router["healthcheck"]["test"])

@@ -238,3 +238,18 @@ def test_many_requests_drain_with_preemption_and_all_blocks_return():
     assert all(r.num_output_tokens == 6 for r in reqs)
     assert s.num_preemptions > 0
     assert s.blocks.num_free_blocks == 8
+
+
+def test_long_prefill_threshold_caps_chunks_only_while_others_decode():
+    blocks = BlockManager(128, 4, enable_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                  long_prefill_token_threshold=10), blocks)
+    a = make_req(8)
+    s.add(a)
+    out = step(s)  # alone: a prefills all 8 (nobody decodes yet)
+    assert out.seqs[0].num_new_tokens == 8
+    b = make_req(40)
+    s.add(b)
+    out = step(s)  # a decodes: b's chunk is capped at 10
+    assert {q.request.request_id: q.num_new_tokens for q in out.seqs} == {
+        a.request_id: 1, b.request_id: 10}

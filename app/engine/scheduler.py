@@ -126,12 +126,15 @@ class Scheduler:
         assert not self._in_flight, "schedule() called while a step is in flight"
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Prefill tokens are capped further when decoders have TPOT targets to keep.
+        # Prefill tokens are capped further while requests decode: by a fixed threshold
+        # (vLLM's long_prefill_token_threshold), and by the decoders' TPOT targets.
         prefill_left = budget
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if decodes and self.config.long_prefill_token_threshold:
+            prefill_left = min(prefill_left, self.config.long_prefill_token_threshold)
         if self.admission is not None:
-            decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
             cap = self.admission.prefill_budget(self.running, decodes)
-            prefill_left = budget if cap is None else min(cap, budget)
+            prefill_left = prefill_left if cap is None else min(cap, prefill_left)
         scheduled: dict[str, ScheduledSeq] = {}
 
         def take(req: Request) -> int:

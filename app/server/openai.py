@@ -69,7 +69,8 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
     params = req.sampling_params(
         1 if prompt_only else default_max_tokens(request, req.max_tokens, longest),
         req.logprobs, req.logprobs if req.echo and req.logprobs is not None else None,
-        structured=await compiled(request, from_openai(req)))
+        structured=await compiled(request, from_openai(req)),
+        defaults=engine(request).core.generation_defaults)
     streams = queue_all(request, prompts, params, req.priority, req.request_id)
     n = params.n
     rid, created = new_id("cmpl"), now()
@@ -146,7 +147,7 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
         req.max_tokens = req.max_completion_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, len(prompt)), top,
-                                 structured=so)
+                                 structured=so, defaults=engine(request).core.generation_defaults)
     streams = queue_all(request, [prompt], params, req.priority, req.request_id)
     rid, created = new_id("chatcmpl"), now()
 

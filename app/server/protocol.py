@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 from app.engine.grammar import StructuredOutput
 from app.engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from app.server.errors import APIError
+from models.generation_config import GenerationDefaults
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 MAX_PROMPTS = 256  # prompts in one /v1/completions body (each is a request)
@@ -136,20 +137,27 @@ class _SamplingFields(Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        structured: StructuredOutput | None = None) -> SamplingParams:
+                        structured: StructuredOutput | None = None,
+                        defaults: GenerationDefaults | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            "stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs are not available when stream is true",
                            "prompt_logprobs")
+        # The checkpoint's generation_config.json fills what the request left unset.
+        knobs = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                               "repetition_penalty")
+                 if k in self.model_fields_set}
+        if defaults is not None:
+            knobs = {k: v for k, v in defaults.apply(knobs).items() if k != "max_tokens"}
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=1.0 if knobs.get("temperature") is None else knobs["temperature"],
+            top_p=1.0 if knobs.get("top_p") is None else knobs["top_p"],
+            top_k=knobs.get("top_k", self.top_k),
+            min_p=knobs.get("min_p", self.min_p),
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [],
@@ -158,7 +166,7 @@ class _SamplingFields(Body):
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=knobs.get("repetition_penalty", self.repetition_penalty),
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             logit_bias=self.logit_bias,
