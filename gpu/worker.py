@@ -38,9 +38,10 @@ _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
 
 # How long a thread may keep the GIL while another waits for it. The model thread
 # waits on the device with the GIL released; getting it back while the event loop runs
-# Python (streaming, detokenizing) takes up to one interval, and Python's default of
-# 5 ms turned three 0.14 ms waits into 17.5 ms. A short interval bounds that cost per
-# wait; the model thread also waits only once per step (`gpu/staging.py`).
+# Python (streaming, detokenizing) takes up to one interval: at Python's default of
+# 5 ms, 30 waits of 0.1 ms beside a busy thread take 160 ms, at 0.5 ms 23 ms
+# (tests/test_gil.py). A short interval bounds that cost per wait; the model thread
+# also waits only once per step (`gpu/staging.py`).
 SWITCH_INTERVAL_S = 0.0005
 
 
