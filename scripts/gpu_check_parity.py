@@ -38,7 +38,8 @@ def _hf_model(cfg: dict, device, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"},
+    config = LlamaConfig(**{k: v for k, v in cfg.items()
+                            if k not in ("architectures", "model_type")},
                          initializer_range=0.02, attention_bias=False, mlp_bias=False)
     with torch.device(device):
         model = LlamaForCausalLM(config)

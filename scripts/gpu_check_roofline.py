@@ -90,8 +90,10 @@ def builtin_kernel_check(check) -> dict:
     out["store_exact"] = torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
     out |= fused_kernel_errors(check, heads, kv_heads, dim, k_cache, v_cache, g)
     errors = [v for key, v in out.items() if key.endswith("max_err")]
-    out["ok"] = out["store_exact"] and max(errors) <= tol
-    out["tolerance"] = tol
+    relative = [v for key, v in out.items() if key.endswith("rel_err")]
+    rel_tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    out["ok"] = out["store_exact"] and max(errors) <= tol and max(relative) <= rel_tol
+    out["tolerance"], out["relative_tolerance"] = tol, rel_tol
     return out
 
 
@@ -111,8 +113,6 @@ def fused_kernel_errors(check, heads, kv_heads, dim, k_cache, v_cache, g) -> dic
     want, _ = DecoderOps().add_rms_norm(x, res, w, 1e-5)
     got, _ = TritonDecoderOps().add_rms_norm(x, res.clone(), w, 1e-5)
     gate_up = torch.randn(7, 2 * inter, generator=g, device=dev, dtype=dtype)
-    silu_err = (TritonDecoderOps().silu_and_mul(gate_up).float()
-                - DecoderOps().silu_and_mul(gate_up).float()).abs().max().item()
     qkv = torch.randn(9, heads + 2 * kv_heads, dim, generator=g, device=dev, dtype=dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     rope = Rotary(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -124,10 +124,15 @@ def fused_kernel_errors(check, heads, kv_heads, dim, k_cache, v_cache, g) -> dic
     want_q, want_k, want_v = q.clone(), k_cache.clone(), v_cache.clone()
     rotary_store_kv_ref(want_q, k, v, cos, sin, want_k, want_v, slots)
     rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
-    return {"add_rms_norm_max_err": (got.float() - want.float()).abs().max().item(),
-            "silu_and_mul_max_err": silu_err,
-            "rotary_store_q_max_err": (q.float() - want_q.float()).abs().max().item(),
-            "rotary_store_k_max_err": (k_cache.float() - want_k.float()).abs().max().item()}
+
+    def rel(got, want):  # elementwise outputs reach |x| ~ 4, where a bf16 ulp is 0.03
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    return {"add_rms_norm_rel_err": rel(got, want),
+            "silu_and_mul_rel_err": rel(TritonDecoderOps().silu_and_mul(gate_up),
+                                        DecoderOps().silu_and_mul(gate_up)),
+            "rotary_store_q_rel_err": rel(q, want_q),
+            "rotary_store_k_rel_err": rel(k_cache, want_k)}
 
 
 # --- roofline ceilings --------------------------------------------------------------
