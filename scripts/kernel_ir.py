@@ -85,6 +85,12 @@ def kernels() -> dict[str, tuple]:
     return {
         "paged_decode": (paged_decode._paged_decode_kernel, decode_ptrs, decode_cx,
                          dict(num_warps=4, num_stages=paged_decode.DECODE_STAGES)),
+        "paged_decode_fp32": (paged_decode._paged_decode_kernel,
+                              {k: "*fp32" if v == BF16 else v for k, v in decode_ptrs.items()},
+                              decode_cx | dict(BLOCK_N=paged_decode.DECODE_BLOCK_N // 2,
+                                               DOT_DTYPE=triton.language.float32,
+                                               DOT_PRECISION="ieee"),
+                              dict(num_warps=4, num_stages=paged_decode.DECODE_STAGES)),
         "reduce_splits": (decode_splits._reduce_splits_kernel,
                           {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                            "out_ptr": BF16, "context_lens_ptr": "*i32",

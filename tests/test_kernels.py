@@ -127,8 +127,8 @@ def test_store_kv_with_no_tokens_is_a_no_op() -> None:
 def test_paged_decode_matches_reference(
     block_size: int, group: int, dtype: torch.dtype, num_splits: int
 ) -> None:
-    # A row uses at most one split per 256 keys (8 tiles of 32): 600 keys take 3 of the
-    # 4 splits, 300 take 2, the short rows 1 (written without the merge).
+    # A row uses at most one split per 256 keys: 600 keys take 3 of the 4 splits, 300
+    # take 2, the short rows 1 (written without the merge).
     context_lens = [1, 17, 64, 300, 600]
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 5
     k_cache, v_cache = random_pool(num_blocks, block_size, dtype)
@@ -184,16 +184,20 @@ def test_choose_num_splits(num_seqs: int, max_context_len: int, expected: int) -
 
 
 def test_prefill_128_row_tiles_and_unmasked_tiles_before_the_diagonal() -> None:
-    """A query long enough for 128-row tiles, over a cached prefix several key tiles
-    long: the tiles before the diagonal run without a mask."""
+    """A query long enough for 128-row tiles (16-bit dtypes), over a cached prefix several
+    key tiles long: the tiles before the diagonal run without a mask."""
+    from gpu.kernels.prefill import tile_sizes
+
+    dtype = torch.bfloat16
+    assert tile_sizes(130, HEAD_DIM, dtype.itemsize)[0] == 128
     query_lens, prefix_lens = [130, 3], [70, 200]
     context_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
     num_blocks = sum(-(-n // 16) for n in context_lens) + 2
-    k_cache, v_cache = random_pool(num_blocks, 16, torch.float32)
+    k_cache, v_cache = random_pool(num_blocks, 16, dtype)
     block_tables = shuffled_block_tables(context_lens, 16, num_blocks)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     starts = torch.tensor([0, 130, 133], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(133, NUM_KV_HEADS * 2, HEAD_DIM, device=DEVICE)
+    q = torch.randn(133, NUM_KV_HEADS * 2, HEAD_DIM, device=DEVICE, dtype=dtype)
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, k_cache, v_cache, block_tables, starts, lens, 130, HEAD_DIM**-0.5,
                       out=out)

@@ -47,7 +47,7 @@ from gpu.kernels.decode_splits import (  # noqa: F401  (re-exported: the split A
 )
 
 LOG2E = math.log2(math.e)
-DECODE_BLOCK_N = 32  # keys per inner-loop tile
+DECODE_BLOCK_N = 32  # keys per inner-loop tile (16 in fp32: 32 spills registers)
 DECODE_STAGES = 5  # software pipeline depth on CUDA: two K/V tiles in flight
 
 
@@ -258,6 +258,7 @@ def paged_decode_attention(
     # The kernel needs some tensor for the unused pointers.
     parts = (workspace.out, workspace.m, workspace.l) if split else (out, out, out)
     dot_dtype, dot_precision = dot_config(q.dtype, q.device)
+    block_n = DECODE_BLOCK_N if q.element_size() < 4 else DECODE_BLOCK_N // 2
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -281,7 +282,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot wants M >= 16
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
@@ -291,6 +292,5 @@ def paged_decode_attention(
         num_stages=DECODE_STAGES,
     )
     if split:
-        reduce_splits(workspace, out, context_lens, query_start_loc, sliding_window,
-                      DECODE_BLOCK_N)
+        reduce_splits(workspace, out, context_lens, query_start_loc, sliding_window, block_n)
     return out

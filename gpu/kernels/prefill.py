@@ -171,10 +171,13 @@ def _prefill_kernel(
     )
 
 
-def tile_sizes(max_query_len: int, block_d: int) -> tuple[int, int, int]:
+def tile_sizes(max_query_len: int, block_d: int, dtype_bytes: int = 2) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): 128 query rows and two warpgroups once queries are
     long enough to fill them, else 64 and one; halve the key tile past head_dim 128 to
-    fit shared memory."""
+    fit shared memory. fp32 (exact `ieee` dots, no tensor cores) spills registers at any
+    size; 64 x 32 with 8 warps spills least (`scripts/kernel_ir.py`)."""
+    if dtype_bytes >= 4:
+        return 64, 32, 8
     block_n = 64 if block_d <= 128 else 32
     if max_query_len >= 128:
         return 128, block_n, 8
@@ -207,7 +210,7 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps = tile_sizes(max_query_len, block_d)
+    block_m, block_n, num_warps = tile_sizes(max_query_len, block_d, q.element_size())
     dot_dtype, dot_precision = dot_config(q.dtype, q.device)
     grid = (num_heads, batch, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
