@@ -3,6 +3,10 @@
 Code in gpu/ and models/ logs through the standard `logging` module (it must
 not depend on app/); the ProcessorFormatter renders those records with the
 same processors, so the whole log has one format.
+
+Without structlog (a bare GPU machine running `ridgeline bench throughput` or the
+offline `LLM`), the standard library's own formatter does: the engine must run
+with only torch, triton, transformers and safetensors around it.
 """
 
 from __future__ import annotations
@@ -10,10 +14,14 @@ from __future__ import annotations
 import logging
 import sys
 
-import structlog
-
 
 def configure_logging(json_lines: bool | None = None, level: int = logging.INFO) -> None:
+    try:
+        import structlog
+    except ImportError:
+        logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        return
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
     shared = [

@@ -80,9 +80,14 @@ class Batch:
     Tokens of all sequences are concatenated (`token_ids`, `positions`,
     `slot_mapping` have one entry per token). Sequence i owns the next
     `query_lens[i]` of them, in order; after this step its KV cache
-    holds `context_lens[i]` tokens, laid out along `block_tables[i]`.
+    holds `context_lens[i]` tokens, laid out along its block table.
     Rows listed in `sample_indices` (sequence indices) get a sampled token;
     a sequence in the middle of a chunked prefill gets none.
+
+    Block tables come one of two ways. The engine sends deltas: sequence i reads row
+    `table_rows[i]` of the model thread's persistent table, and `table_updates` holds
+    the entries those rows have not received yet (`gpu/block_table.py`). A batch made
+    by hand (tests, the GPU check) may instead give whole tables in `block_tables`.
     """
 
     token_ids: list[int]
@@ -90,9 +95,12 @@ class Batch:
     slot_mapping: list[int]
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[list[int]] | None  # whole tables, or None with table_rows
     sample_indices: list[int]
     sampling: list[SamplingRow]  # one per entry of sample_indices
+    table_rows: list[int] | None = None
+    # (row, first column, block ids): entries to write before this step runs.
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     # Sequences that want the logprobs of their prompt tokens (echo, prompt_logprobs).
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
@@ -101,7 +109,9 @@ class Batch:
         n = len(self.token_ids)
         assert len(self.positions) == n and len(self.slot_mapping) == n
         assert sum(self.query_lens) == n
-        assert len(self.context_lens) == len(self.query_lens) == len(self.block_tables)
+        tables = self.block_tables if self.table_rows is None else self.table_rows
+        assert (self.block_tables is None) != (self.table_rows is None), "one kind of table"
+        assert len(self.context_lens) == len(self.query_lens) == len(tables)
         assert len(self.sample_indices) == len(self.sampling)
 
     @property
@@ -111,6 +121,12 @@ class Batch:
     @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
+
+    @property
+    def samples_every_row(self) -> bool:
+        """Decode-only and every sequence sampled: the hidden states are the logits' rows."""
+        n = self.num_seqs
+        return len(self.token_ids) == n and self.sample_indices == list(range(n))
 
 
 @dataclass

@@ -35,7 +35,10 @@ import torch
 from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.batch import Batch
+from gpu.block_table import DeviceBlockTable
 from gpu.kernels.paged_decode import choose_num_splits, num_sms
+from gpu.staging import Staging
+from gpu.step_inputs import whole_tables
 
 log = logging.getLogger("ridgeline.graphs")
 
@@ -76,56 +79,79 @@ class PaddedDecode:
     positions: list[int]
     slot_mapping: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]  # bucket rows x width of the widest real table
+    table_rows: list[int]  # rows of the persistent block table; padding: its zero row
 
 
-def pad_decode_batch(batch: Batch, bucket: int) -> PaddedDecode:
-    """Real rows copied as they are, then dummy rows: token 0 at position 0,
-    slot -1 (nothing stored), context 0 (attention output 0), block table of zeros."""
+def pad_decode_batch(batch: Batch, bucket: int, padding_row: int) -> PaddedDecode:
+    """Real rows copied as they are, then dummy rows: token 0 at position 0, slot -1
+    (nothing stored), context 0 (attention output 0), the block table's zero row.
+
+    A batch with whole block tables (made by hand) reads rows 0.. of the graph's own
+    table buffer instead, which `GraphRunner.run` fills."""
     assert batch.is_decode_only and batch.num_seqs <= bucket
     pad = bucket - batch.num_seqs
-    width = max(len(t) for t in batch.block_tables)
-    tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
+    rows = batch.table_rows if batch.table_rows is not None else []
     return PaddedDecode(
         token_ids=batch.token_ids + [0] * pad,
         positions=batch.positions + [0] * pad,
         slot_mapping=batch.slot_mapping + [-1] * pad,
         context_lens=batch.context_lens + [0] * pad,
-        block_tables=tables + [[0] * width for _ in range(pad)],
+        table_rows=rows + [padding_row] * (bucket - len(rows)),
     )
+
+
+# (buffer, PaddedDecode field, dtype) of each static input that arrives by the one copy.
+_FIELDS = (("input_ids", "token_ids", torch.long), ("positions", "positions", torch.long),
+           ("slot_mapping", "slot_mapping", torch.long), ("table_rows", "table_rows", torch.long),
+           ("context_lens", "context_lens", torch.int32))
 
 
 class DecodeBuffers:
     """Static device inputs read by every captured graph (fixed addresses).
 
-    Graph for bucket b reads rows [:b]. Block-table columns past a batch's
-    widest table keep older values: always valid block ids, never read, since
-    the kernels stop at each row's context length.
+    Graph for bucket b reads rows [:b]. Token ids, positions, slots, context lengths
+    and block-table rows sit in one device buffer with a pinned host twin: a step
+    writes its padded rows into the twin and sends it whole, in one asynchronous copy
+    of a few KiB. Block-table columns past a batch's widest table keep older values:
+    always valid block ids, never read, since the kernels stop at each row's context
+    length.
     """
 
     def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device):
-        def zeros(*shape, dtype):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(max_size, dtype=torch.long)
-        self.positions = zeros(max_size, dtype=torch.long)
-        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
-        self.context_lens = zeros(max_size, dtype=torch.int32)
-        self.block_tables = zeros(max_size, max_blocks_per_seq, dtype=torch.int32)
+        self.device = device
+        self._cuda = device.type == "cuda"
+        sizes = [-(-max_size * dtype.itemsize // 16) * 16 for _, _, dtype in _FIELDS]
+        self._dev = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        # Off CUDA the "device" buffer is host memory already: write it directly.
+        self._host = (torch.zeros_like(self._dev, device="cpu").pin_memory() if self._cuda
+                      else self._dev)
+        self._host_views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for (name, _, dtype), size in zip(_FIELDS, sizes):
+            span = slice(offset, offset + max_size * dtype.itemsize)
+            setattr(self, name, self._dev[span].view(dtype))
+            self._host_views[name] = self._host[span].view(dtype)
+            offset += size
+        self._host_views["slot_mapping"].fill_(-1)
+        self.slot_mapping.fill_(-1)
+        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
         # One token per row, so the query offsets never change.
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
-        self._pin = device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None
 
     def load(self, padded: PaddedDecode) -> None:
-        bs, width = len(padded.token_ids), len(padded.block_tables[0])
-        for dst, values in ((self.input_ids[:bs], padded.token_ids),
-                            (self.positions[:bs], padded.positions),
-                            (self.slot_mapping[:bs], padded.slot_mapping),
-                            (self.context_lens[:bs], padded.context_lens),
-                            (self.block_tables[:bs, :width], padded.block_tables)):
-            src = torch.tensor(values, dtype=dst.dtype)
-            # Pinned and asynchronous: a pageable copy would stall the host on each tensor.
-            dst.copy_(src.pin_memory() if self._pin else src, non_blocking=True)
+        bs = len(padded.token_ids)
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the last copy still reads the twin (no sync since)
+        for name, field, dtype in _FIELDS:
+            host = self._host_views[name]
+            host[:bs].copy_(torch.as_tensor(getattr(padded, field), dtype=dtype))
+        if self._cuda:
+            self._dev.copy_(self._host, non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def attention_inputs(self, bs: int, max_context_len: int) -> AttentionInputs:
         """Views of the first `bs` rows; the host lists describe capture time only."""
@@ -153,14 +179,17 @@ class GraphRunner:
         *,
         sizes: list[int],
         max_model_len: int,
+        tables: DeviceBlockTable,
     ):
         self.model, self.backend = model, backend
         self.k_caches, self.v_caches = k_caches, v_caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         self.device = k_caches[0].device
-        max_blocks = -(-max_model_len // backend.block_size)
-        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, self.device)
+        self.tables = tables  # the persistent block table the engine's rows live in
+        assert tables.width == -(-max_model_len // backend.block_size)
+        self.buffers = DecodeBuffers(self.sizes[-1], tables.width, self.device)
+        self._staging = Staging(self.device)  # whole tables of hand-made batches
         hidden = model.config.hidden_size
         dtype = model.embed_tokens.weight.dtype
         # One output buffer for all graphs, outside the graph pool.
@@ -220,16 +249,31 @@ class GraphRunner:
         return graph.replay
 
     def can_run(self, batch: Batch) -> bool:
-        return batch.num_seqs <= self.sizes[-1] and batch.is_decode_only
+        """A decode-only batch that fits a bucket, with tables no wider than the graphs'
+        (a wider one would index past the static buffer: it runs eagerly instead)."""
+        if batch.num_seqs > self.sizes[-1] or not batch.is_decode_only:
+            return False
+        if batch.block_tables is not None:
+            return max(len(t) for t in batch.block_tables) <= self.tables.width
+        return -(-max(batch.context_lens) // self.backend.block_size) <= self.tables.width
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] of a decode-only batch, by replay.
 
-        The result is a view of the shared output buffer: use it before the next replay.
+        The batch's block-table updates must be applied already (`ModelRunner`). The
+        result is a view of the shared output buffer: use it before the next replay.
         """
         bucket = bucket_for(batch.num_seqs, self.sizes)
-        self.buffers.load(pad_decode_batch(batch, bucket))
+        self.buffers.load(pad_decode_batch(batch, bucket, self.tables.padding_row))
+        if batch.block_tables is None:
+            self.tables.gather(self.buffers.table_rows[:bucket],
+                               out=self.buffers.block_tables[:bucket])
+        else:
+            flat, width = whole_tables(batch)
+            (staged,) = self._staging.stage((flat, torch.int32))
+            self.buffers.block_tables[: batch.num_seqs, :width].copy_(
+                staged.view(batch.num_seqs, width))
         self._replay[bucket]()
         self.replays += 1
         return self.hidden[: batch.num_seqs]

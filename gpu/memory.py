@@ -2,7 +2,9 @@
 
 On CUDA the pool is what is left of `total × gpu_memory_utilization` after
 weights, the peak activations of a profiling forward, and the CUDA-graph
-estimate. On CPU it is an explicit byte budget. Either way the numbers are
+estimate — or less, when memory was already in use as the runner started (another
+process, or this one's CUDA context): `(1 - gpu_memory_utilization) × total` is always
+left free. On CPU it is an explicit byte budget. Either way the numbers are
 logged so that an operator can check each against the arithmetic.
 """
 
@@ -63,25 +65,32 @@ def plan_kv_cache(
     weights_bytes: int,
     kv_cache_memory: int | None = None,
     total_device_bytes: int | None = None,
+    free_device_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
     peak_activation_bytes: int = 0,
     graph_bytes: int = 0,
     num_blocks: int | None = None,
     sliding_window: int | None = None,
 ) -> KVPlan:
-    """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU."""
+    """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU.
+
+    `free_device_bytes` is what was free before the weights loaded (None: all of it)."""
     if num_blocks is not None:
         budget = num_blocks * block_size * bytes_per_token
     elif kv_cache_memory is not None:
         budget = kv_cache_memory
     elif total_device_bytes is not None:
-        budget = int(total_device_bytes * gpu_memory_utilization) - (
-            weights_bytes + peak_activation_bytes + graph_bytes
-        )
+        usable = int(total_device_bytes * gpu_memory_utilization)
+        headroom = total_device_bytes - usable  # always left free
+        free = total_device_bytes if free_device_bytes is None else free_device_bytes
+        in_use = total_device_bytes - free
+        usable = min(usable, free - headroom)
+        budget = usable - (weights_bytes + peak_activation_bytes + graph_bytes)
         log.info(
-            "GPU memory: total %.2f GiB x utilization %.2f - weights %.2f GiB - peak activations "
-            "%.2f GiB - CUDA graphs %.2f GiB = %.2f GiB for the KV cache",
-            total_device_bytes / GiB, gpu_memory_utilization, weights_bytes / GiB,
+            "GPU memory: total %.2f GiB x utilization %.2f (%.2f GiB already in use at start) "
+            "- weights %.2f GiB - peak activations %.2f GiB - CUDA graphs %.2f GiB "
+            "= %.2f GiB for the KV cache",
+            total_device_bytes / GiB, gpu_memory_utilization, in_use / GiB, weights_bytes / GiB,
             peak_activation_bytes / GiB, graph_bytes / GiB, budget / GiB,
         )
     else:

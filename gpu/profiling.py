@@ -2,7 +2,7 @@
 
 After the weights load, one dummy step at the largest shape the scheduler may
 form (max_num_batched_tokens tokens over up to max_num_seqs sequences, every
-sequence sampled with top-k, top-p and logprobs, the sampler's most hungry
+sequence sampled with top-p, min-p and logprobs, the sampler's most hungry
 path) runs on a tiny temporary KV pool; the allocator's peak above what was
 allocated before it is the activation peak. The graphs' share is measured the
 same way, with a decode step at the largest capture size (the graphs' shared
@@ -32,8 +32,9 @@ GiB = 1 << 30
 # the split workspace. A cautious guess until the GPU check calibrates it (it
 # logs the estimate next to the measured figure).
 GRAPH_OVERHEAD_BYTES = 4 << 20
-# The sampler's most memory-hungry path: sort for top-k/top-p, log-softmax for logprobs.
-HUNGRY_ROW = SamplingRow(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+# The sampler's most memory-hungry path: a full sort for top-p without top-k, min-p,
+# log-softmax and a top-k for logprobs.
+HUNGRY_ROW = SamplingRow(temperature=1.0, top_p=0.9, min_p=0.05, logprobs=20)
 
 
 @dataclass(frozen=True)

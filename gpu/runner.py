@@ -15,14 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu.attention.base import AttentionBackend, AttentionInputs, StepContext
+from gpu.attention.base import AttentionBackend, StepContext
 from gpu.batch import Batch, SamplingRow, StepResult
+from gpu.block_table import DeviceBlockTable
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.sampler import Sampler
+from gpu.staging import Staging
+from gpu.step_inputs import apply_table_updates, stage_eager_step
 from gpu.threads import ThreadGovernor
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
+from models.ops import DecoderOps
 from models.weights import iter_safetensors
 
 if TYPE_CHECKING:
@@ -97,6 +101,16 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
     return TorchAttentionBackend(*args)
 
 
+def decoder_ops(backend: AttentionBackend) -> DecoderOps:
+    """Fused Triton kernels for the steps between matmuls where attention runs on Triton
+    (which fuses RoPE into its KV store too); plain torch otherwise (the CPU path)."""
+    if backend.fuses_rotary:
+        from gpu.kernels.decoder_ops import TritonDecoderOps
+
+        return TritonDecoderOps()
+    return DecoderOps()
+
+
 # Prompt positions scored at once: bounds the [rows, vocab] float32 logits of a long prompt.
 SCORE_CHUNK = 128
 
@@ -134,9 +148,16 @@ class ModelRunner:
             self.governor = ThreadGovernor.for_this_host()
         log.info("torch uses %d CPU threads%s", torch.get_num_threads(),
                  " (adjusted to the cores the host leaves free)" if self.governor else "")
+        # Before anything of ours is allocated: what other processes (and the context) hold.
+        self._free_at_start = (torch.cuda.mem_get_info(self.device)[0]
+                               if self.device.type == "cuda" else None)
+        self.backend: AttentionBackend = make_backend(
+            spec.attention_backend, self.device, self.config, spec.block_size
+        )
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len)
+            model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
+                                       ops=decoder_ops(self.backend))
         # Cast on meta, then allocate: the weights never exist in fp32 first.
         model = model.to(self.dtype).to_empty(device=self.device)
         model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
@@ -149,10 +170,6 @@ class ModelRunner:
 
             pack_linears(self.model)
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
-
-        self.backend: AttentionBackend = make_backend(
-            spec.attention_backend, self.device, self.config, spec.block_size
-        )
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         self.profile = self._profile()
         self.plan: KVPlan = plan_kv_cache(
@@ -166,6 +183,7 @@ class ModelRunner:
             kv_cache_memory=spec.kv_cache_memory,
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
+            free_device_bytes=self._free_at_start,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             peak_activation_bytes=self.profile.peak_activation_bytes,
             graph_bytes=self.profile.graph_bytes,
@@ -178,6 +196,10 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(self.config.num_layers)]
         self.sampler = Sampler(self.device, spec.seed)
+        # The engine's block tables, one persistent row per scheduled request.
+        max_blocks = -(-spec.max_model_len // spec.block_size)
+        self.tables = DeviceBlockTable(spec.max_num_seqs, max_blocks, self.device)
+        self.staging = Staging(self.device)
         self.graphs = self._capture_graphs()
 
     def _auto_sized(self) -> bool:
@@ -219,29 +241,43 @@ class ModelRunner:
         from gpu.graphs import GraphRunner
 
         graphs = GraphRunner(self.model, self.backend, self.k_caches, self.v_caches,
-                             sizes=self.graph_sizes, max_model_len=self.spec.max_model_len)
+                             sizes=self.graph_sizes, max_model_len=self.spec.max_model_len,
+                             tables=self.tables)
         graphs.capture()
         return graphs
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        """Forward, logits for the rows that sample, sampling. The host waits on the
+        device once per step, when the sampled tokens come back (`gpu/staging.py`)."""
         if self.governor is not None:
             self.governor.tick()
-        dev = self.device
-        qsl = list(itertools.accumulate(batch.query_lens, initial=0))
+        # 1. The forward: a CUDA-graph replay for a decode step that fits a bucket.
         if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
+            apply_table_updates(batch, self.staging, self.tables)
+            hidden = self.graphs.run(batch)  # one row per sequence
+            rows = None if batch.samples_every_row else self.staging.stage(
+                (batch.sample_indices, torch.long))[0]
         else:
-            hidden = self._forward_eager(batch, qsl)
+            inputs = stage_eager_step(batch, self.staging, self.tables, self.spec.block_size)
+            ctx = StepContext(self.backend, self.backend.prepare(inputs.attention),
+                              self.k_caches, self.v_caches)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            rows = inputs.logit_rows
         result = StepResult([], [])
         if batch.sample_indices:
-            last = torch.tensor([qsl[i + 1] - 1 for i in batch.sample_indices], device=dev)
-            result = self._sample(self.model.compute_logits(hidden[last]), batch.sampling)
-        for want in batch.prompt_logprobs:
-            start = qsl[want.seq_index]
-            result.prompt_logprobs[want.seq_index] = score_tokens(
-                self.model.compute_logits, hidden[start:start + len(want.targets)],
-                want.targets, want.top_k)
+            # 2. Logits, only for the rows that sample (the last new token of each).
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            # 3. Sampling; its results are the step's one device-to-host copy.
+            result = self._sample(logits, batch.sampling)
+        # 4. Prompt logprobs (echo, prompt_logprobs): every position of those chunks.
+        if batch.prompt_logprobs:
+            starts = list(itertools.accumulate(batch.query_lens, initial=0))
+            for want in batch.prompt_logprobs:
+                start = starts[want.seq_index]
+                result.prompt_logprobs[want.seq_index] = score_tokens(
+                    self.model.compute_logits, hidden[start:start + len(want.targets)],
+                    want.targets, want.top_k)
         return result
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> StepResult:
@@ -261,22 +297,3 @@ class ModelRunner:
             result.token_ids.append(token)
             result.logprobs.append(lp)
         return result
-
-    def _forward_eager(self, batch: Batch, qsl: list[int]) -> torch.Tensor:
-        dev = self.device
-        width = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in batch.block_tables]
-        inputs = AttentionInputs(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(batch.query_lens),
-            max_context_len=max(batch.context_lens),
-            query_lens_list=batch.query_lens,
-            context_lens_list=batch.context_lens,
-        )
-        ctx = StepContext(self.backend, self.backend.prepare(inputs), self.k_caches, self.v_caches)
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        return self.model(input_ids, positions, ctx)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -33,6 +34,23 @@ MAX_CONSECUTIVE_FAILURES = 3
 # device-side assert or an illegal address is unusable until the process restarts).
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access",
                   "CUBLAS_STATUS", "CUDNN_STATUS", "NCCL error", "unspecified launch failure")
+
+
+# How long a thread may keep the GIL while another waits for it. The model thread
+# waits on the device with the GIL released; getting it back while the event loop runs
+# Python (streaming, detokenizing) takes up to one interval: at Python's default of
+# 5 ms, 30 waits of 0.1 ms beside a busy thread take 160 ms, at 0.5 ms 23 ms
+# (tests/test_gil.py). A short interval bounds that cost per wait; the model thread
+# also waits only once per step (`gpu/staging.py`).
+SWITCH_INTERVAL_S = 0.0005
+
+
+def shorten_switch_interval(seconds: float = SWITCH_INTERVAL_S) -> float:
+    """Lower the interpreter's GIL switch interval to `seconds` (never raise it); returns
+    the interval now in force. Process-wide: it matters as soon as a model thread runs."""
+    if sys.getswitchinterval() > seconds:
+        sys.setswitchinterval(seconds)
+    return sys.getswitchinterval()
 
 
 class WorkerDead(RuntimeError):
@@ -60,6 +78,7 @@ class Worker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: Future[ModelRunner] = Future()
         self.error: BaseException | None = None
+        shorten_switch_interval()
         self._thread = threading.Thread(target=self._main, args=(spec,), name="ridgeline-model",
                                         daemon=True)
         self._thread.start()

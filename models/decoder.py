@@ -11,6 +11,10 @@ Input is one flat batch of new tokens from many sequences; attention goes throug
 per-step context it is handed (the protocol in `models/attention.py`; the model
 thread's `StepContext` knows the paged KV pool). Q/K/V and gate/up projections are
 fused: fewer, larger matmuls matter on CPU where per-op overhead is the bottleneck.
+The steps between matmuls go through `ops` (`models/ops.py`: plain torch, or fused
+Triton kernels on CUDA), and the residual stream is carried beside the hidden states
+so that each residual add is joined to the norm after it; RoPE is applied by the
+attention context when it can fuse it with the KV store (`PagedAttention.rotates`).
 Each module states how HF's separate tensors land in its fused ones
 (`checkpoint_layout`), so the loader stays generic; Phi-3 ships them fused already.
 """
@@ -25,6 +29,7 @@ from torch import nn
 
 from models.attention import PagedAttention
 from models.config import ModelConfig
+from models.ops import DecoderOps
 from models.rope import Rotary, apply_rotary
 
 # HF checkpoint suffix -> (our parameter suffix, first row, rows)
@@ -80,16 +85,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # Rotate q and k heads in one go: half the elementwise ops of doing each.
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        # RoPE: fused into the KV store where the backend offers it (CUDA); otherwise
+        # here, on q and k heads in one go (half the elementwise ops of doing each).
+        rotary = rope if ctx.rotates else None
+        if rotary is None:
+            qk = apply_rotary(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = ctx.attend(self.layer_idx, q, k, v, self.sliding_window)
+        out = ctx.attend(self.layer_idx, q, k, v, self.sliding_window, rotary)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: DecoderOps):
         super().__init__()
+        self.ops = ops
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
                                       bias=cfg.mlp_bias)
@@ -100,33 +110,47 @@ class MLP(nn.Module):
         return _fused("gate_up_proj", [("gate_proj", inter), ("up_proj", inter)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, sliding_window: int | None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sliding_window: int | None,
+                 ops: DecoderOps):
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
 
-    def forward(self, x, rope, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, ctx):
+        """`x` is the previous layer's output, not yet added to `residual` (at the first
+        layer: the embeddings, and no residual). Returns this layer's pair."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = x, self.ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            x, residual = self.ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        x = self.self_attn(x, rope, ctx)
+        x, residual = self.ops.add_rms_norm(x, residual, norm2.weight, norm2.eps)
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None,
+                 ops: DecoderOps | None = None):
+        """`ops`: the steps between matmuls (plain torch unless the model thread hands
+        over fused kernels)."""
         super().__init__()
         self.config = cfg
+        self.ops = ops or DecoderOps()
         max_positions = max_positions or cfg.max_context_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A window no shorter than the longest sequence never hides a key: drop it.
         windows = [w if w is not None and w < max_positions else None
                    for w in cfg.sliding_windows]
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, w) for i, w in enumerate(windows))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, w, self.ops)
+                                    for i, w in enumerate(windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.make_rotary(max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
@@ -147,9 +171,10 @@ class DecoderForCausalLM(nn.Module):
         """[T] token ids and positions → [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

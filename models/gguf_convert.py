@@ -15,6 +15,8 @@ which is HF's rotate-half already.
 
 The tensors are read with `gguf.GGUFReader` (not through transformers) so the weight
 path stays independent of transformers' own GGUF loader; the tests compare the two.
+`gguf` is imported only when a file is converted: serving an HF directory must work
+on a machine without it (the GPU box has none).
 The tokenizer does go through transformers: rebuilding a BPE tokenizer from GGUF
 vocab and merges is exactly what its converter already does well.
 """
@@ -27,13 +29,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
 
 
 def _open_reader(path: Path) -> GGUFReader:
+    from gguf import GGUFReader
+
     # The reader reports truncation as numpy reshape/view errors; name the file instead.
     try:
         return GGUFReader(path)
@@ -265,6 +270,8 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
 
     Each tensor is cast as soon as it is dequantized, so the whole model is never held
     in float32 when a narrower dtype is asked for."""
+    from gguf.quants import dequantize
+
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     arch = reader.get_field("general.architecture").contents()
     permuted = arch == "llama"  # llama.cpp interleaves rotary pairs only for this one

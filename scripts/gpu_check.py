@@ -1,20 +1,37 @@
 """Everything that needs a GPU, in one command: `python3 scripts/gpu_check.py OUT_DIR`.
 
-Sections, each guarded so that one failure leaves the others' results:
-  kernels   pytest tests/test_kernels.py tests/test_graphs.py (if pytest is there),
-            and a built-in comparison of every kernel with gpu/kernels/reference.py
-  roofline  device-to-device copy bandwidth and bf16 matmul TFLOP/s
-  attention paged decode attention bandwidth at long context (one layer's shapes)
-  model     a random-weight Llama-3-8B-shaped model (32 layers by default, bf16)
-            built through ModelRunner: memory profile, KV pool, CUDA graphs
-  parity    CUDA-graph vs eager greedy decode, teacher-forced and free-running
-  decode    step time at batch 1, 8, 64, 256; prefill tokens/s
+Sections, each guarded so that one failure leaves the others' results (in this order:
+the model's users first, then the sections that need its memory back):
+  env          versions, compute capability, SM count, the Triton cache folder
+  kernels      every kernel against gpu/kernels/reference.py at Llama-3-8B head shapes
+  roofline     device-to-device copy bandwidth and bf16 matmul TFLOP/s
+  attention    paged decode at (1, 32k) .. (256, 2k) against copy bandwidth; decode rows
+               of a mixed batch through the decode kernel vs through the prefill kernel
+  model        a random-weight Llama-3-8B-shaped model (32 layers by default, bf16)
+               built through ModelRunner: memory profile, KV pool, CUDA graphs
+  sync_audit   host-device syncs per step under torch.cuda.set_sync_debug_mode (goal 1)
+  parity       CUDA-graph vs eager greedy decode, teacher-forced and free-running
+  bucket_sweep every bucket replayed with fewer rows than its size, mixed contexts, vs
+               eager: no NaN, relative max |d logits| <= 3e-2, the pool outside the
+               step's slots unchanged
+  speed        step time at batch 1, 8, 64, 256; prefill tokens/s
+  anatomy      torch.profiler over steps at batch 1, 64, 256: kernels per step, GPU busy
+               vs wall (goal at batch >= 64: idle <= 15%)
+  gil          a step at batch 64 on a thread beside a busy Python thread: slowdown at
+               Python's default switch interval and at Ridgeline's (goal <= 10%)
+  hf_parity    4 layers of Llama-3-8B (llama3 RoPE) against HF LlamaForCausalLM with the
+               same weights: prefill + 8 graph decode steps; fp32 logits within 2e-3, bf16
+               top-1 equal where HF's margin >= 0.1
+  large_pool   a pool of more than 2**31 elements: store, decode, prefill on its last blocks
+  engine       the offline LLM on a random model of a real shape: graphs vs --enforce-eager
+  pytest       the kernel and graph tests, natively, with whatever time is left
 and a final table of each figure against its roofline floor. Results go to
 OUT_DIR/gpu_check.json after every section (a kill still leaves what was done).
 
-Needs torch, triton and safetensors; imports nothing of app/ (no web stack), and
-no network. `--cpu-smoke` runs every section on CPU with a tiny model and the
-Triton interpreter, to catch import and logic errors before GPU time is spent.
+Needs only the GPU machine's packages (torch, triton, transformers, safetensors; pytest
+optional): nothing of the web stack, structlog or gguf, and no network. `--cpu-smoke`
+runs every section on CPU with a tiny model and the Triton interpreter, to catch import
+and logic errors before GPU time is spent.
 """
 
 from __future__ import annotations
@@ -34,13 +51,28 @@ import traceback
 from functools import partial
 from pathlib import Path
 
-# The interpreter must be chosen before triton is first imported.
+# The interpreter must be chosen before triton is first imported; compiled kernels go to
+# a fresh writable folder unless one is given.
 os.environ.update({"TRITON_INTERPRET": "1"} if "--cpu-smoke" in sys.argv else {})
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="ridgeline-triton-"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo (gpu/, models/)
 
 import torch
 import triton
-from gpu_check_roofline import (  # beside this file
+from gpu_check_audit import anatomy, bucket_sweep, gil, sync_audit  # beside this file
+from gpu_check_common import (
+    GREEDY,
+    LLAMA3_8B,
+    TINY,
+    Seqs,
+    decode_batch,
+    random_prompts,
+    random_weights,
+    wall_time,
+)
+from gpu_check_engine import engine
+from gpu_check_parity import hf_parity, large_pool
+from gpu_check_roofline import (
     attention,
     builtin_kernel_check,
     device_time,
@@ -50,34 +82,28 @@ from gpu_check_roofline import (  # beside this file
 )
 
 from app.config import EngineConfig
-from gpu.batch import Batch, SamplingRow
+from gpu.batch import SamplingRow
 from gpu.graphs import GraphRunner
 from gpu.runner import ModelRunner, RunnerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000,
-    eos_token_id=128001,
-    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0, original_max_position_embeddings=8192),
-)
-TINY = dict(LLAMA3_8B, vocab_size=1024, hidden_size=128, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 # Sizes per mode: (GPU, CPU smoke).
 SIZES = {
     "gpu": dict(copy_bytes=4 << 30, matmul=8192, decode_batches=[1, 8, 64, 256],
                 decode_context=1024, prefill=[(1, 2048), (4, 2048)], max_model_len=4096,
-                attention=[(1, 32768), (8, 16384), (64, 4096), (256, 2048)],
-                prompts=[7, 33, 100, 250, 600], steps=8, max_num_seqs=256),
-    "smoke": dict(copy_bytes=64 << 20, matmul=256, decode_batches=[1, 2, 4],
-                  decode_context=64, prefill=[(1, 32), (2, 32)], max_model_len=512,
-                  attention=[(1, 300), (2, 128)], prompts=[5, 9, 20], steps=3, max_num_seqs=4),
+                attention=[(1, 32768), (8, 16384), (16, 4096), (64, 4096), (256, 2048)],
+                mixed=(64, 4096, 512), anatomy=[1, 64, 256], gil_batch=64,
+                prompts=[7, 33, 100, 250, 600], steps=8, max_num_seqs=256,
+                hf_prompts=[37, 100, 250], engine=dict(prompts=64, input_len=256,
+                                                         output_len=128, layers=4)),
+    "smoke": dict(copy_bytes=64 << 20, matmul=256, decode_batches=[1, 2],
+                  decode_context=64, prefill=[(2, 16)], max_model_len=512,
+                  attention=[(1, 300), (2, 128)], mixed=(2, 300, 20), anatomy=[2],
+                  gil_batch=2, prompts=[5, 9, 20], steps=3, max_num_seqs=4,
+                  hf_prompts=[5, 12], engine=dict(prompts=3, input_len=8, output_len=4,
+                                                  layers=2)),
 }
 NEAR_TIE = 0.1  # nats: a graph/eager disagreement is only excused below this top-2 margin
-GREEDY = SamplingRow(temperature=0.0)
 log = logging.getLogger("gpu_check")
 
 
@@ -93,12 +119,15 @@ class Check:
         self.dtype = torch.float32 if self.smoke else torch.bfloat16
         self.results: dict = {"mode": "cpu-smoke" if self.smoke else "gpu"}
         self.runner: ModelRunner | None = None
-        self.iters = 3 if self.smoke else 20  # the interpreter is ~1000x slower
+        self.iters = 2 if self.smoke else 20  # the interpreter is ~1000x slower
         self.t0 = time.perf_counter()
+
+    def left_s(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.t0)
 
     def section(self, name, fn):
         start = time.perf_counter()
-        if start - self.t0 > self.args.budget_s:
+        if self.left_s() <= 0:
             self.results[name] = {"ok": False, "error": "skipped: time budget spent"}
         else:
             print(f"== {name}", flush=True)
@@ -117,70 +146,56 @@ class Check:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-
-def wall_time(fn, iters: int, warmup: int = 2) -> float:
-    """Median wall seconds of a call that synchronizes by itself (runner.execute)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def free_runner(self) -> None:
+        """Hand the model's memory (weights, a KV pool of most of the GPU) back."""
+        self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-# --- kernels -----------------------------------------------------------------------
+def env(check: Check) -> dict:
+    out = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "python": sys.version.split()[0], "triton_cache": os.environ["TRITON_CACHE_DIR"],
+           "device": "cpu"}
+    if torch.cuda.is_available() and not check.smoke:
+        props = torch.cuda.get_device_properties(check.device)
+        free, total = torch.cuda.mem_get_info(check.device)
+        out |= {"device": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                "sm_count": props.multi_processor_count, "total_GiB": total / 2**30,
+                "free_GiB": free / 2**30}
+    for name in ("transformers", "safetensors", "starlette", "structlog", "gguf", "pytest"):
+        out[name] = importlib.util.find_spec(name) is not None
+    return out
 
 
 def kernels(check: Check) -> dict:
-    result = {"builtin": builtin_kernel_check(check)}
-    files = ["tests/test_graphs.py"] if check.smoke else [
-        "tests/test_kernels.py", "tests/test_sliding_window.py", "tests/test_graphs.py"]
-    if importlib.util.find_spec("pytest") is None:
-        result["pytest"] = "not installed: built-in comparison only"
-    else:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"],
-                cwd=ROOT, capture_output=True, text=True, timeout=check.args.pytest_timeout_s)
-        except subprocess.TimeoutExpired as e:
-            (check.out / "pytest.txt").write_text(str(e.stdout or "") + str(e.stderr or ""))
-            result["pytest"], result["ok"] = f"timed out after {e.timeout} s", False
-        else:
-            (check.out / "pytest.txt").write_text(proc.stdout + proc.stderr)
-            tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:]
-            result["pytest"] = {"files": files, "returncode": proc.returncode, "summary": tail}
-            result["ok"] = proc.returncode == 0
-    result["ok"] = result.get("ok", True) and result["builtin"]["ok"]
+    result = builtin_kernel_check(check)
     return result
 
 
+def pytest_section(check: Check) -> dict:
+    """The kernel and graph tests, natively; last, with whatever time is left."""
+    files = ["tests/test_graphs.py"] if check.smoke else [
+        "tests/test_kernels.py", "tests/test_fused_kernels.py", "tests/test_graphs.py",
+        "tests/test_sliding_window.py"]
+    if importlib.util.find_spec("pytest") is None:
+        return {"pytest": "not installed: built-in comparison only"}
+    timeout = max(30.0, min(check.args.pytest_timeout_s, check.left_s()))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", *files, "-q", "-x", "-p", "no:cacheprovider"],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        (check.out / "pytest.txt").write_text(str(e.stdout or "") + str(e.stderr or ""))
+        return {"ok": False, "pytest": f"timed out after {e.timeout:.0f} s"}
+    (check.out / "pytest.txt").write_text(proc.stdout + proc.stderr)
+    tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:]
+    return {"ok": proc.returncode == 0, "files": files, "returncode": proc.returncode,
+            "summary": tail}
+
+
 # --- the model -----------------------------------------------------------------------
-
-
-def random_weights(cfg: dict, device, dtype, seed: int = 0):
-    """HF-named random tensors made on the device (no 16 GB file to write or read)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-
-    def rnd(*shape):  # HF's initializer_range; norms keep every layer's scale sane
-        return torch.randn(*shape, generator=g, device=device, dtype=dtype).mul_(0.02)
-
-    yield "model.embed_tokens.weight", rnd(vocab, h)
-    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
-    yield "lm_head.weight", rnd(vocab, h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
-        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
-        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
-                            ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
-                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)),
-                            ("mlp.down_proj", (h, inter))):
-            yield p + name + ".weight", rnd(*shape)
 
 
 def build_model(check: Check, eager: bool = False) -> dict:
@@ -204,7 +219,7 @@ def build_model(check: Check, eager: bool = False) -> dict:
     if check.smoke and not eager:  # off CUDA the runner never captures: closures stand in
         runner.graphs = GraphRunner(runner.model, runner.backend, runner.k_caches,
                                     runner.v_caches, sizes=[1, 2, 4],
-                                    max_model_len=spec.max_model_len)
+                                    max_model_len=spec.max_model_len, tables=runner.tables)
         runner.graphs.capture()
     check.runner = runner
     layers = [m for m in runner.model.layers.modules() if isinstance(m, torch.nn.Linear)]
@@ -224,41 +239,6 @@ def build_model(check: Check, eager: bool = False) -> dict:
         "lm_head_params": cfg["vocab_size"] * cfg["hidden_size"],
         "attention_dims": [cfg["num_attention_heads"], cfg["head_dim"], cfg["num_hidden_layers"]],
     }
-
-
-class Seqs:
-    """Scheduler-like batches for a few sequences over fresh pages of the pool."""
-
-    def __init__(self, prompts: list[list[int]], first_block: int, block_size: int = 16):
-        self.tokens, self.bs, self.next = [list(p) for p in prompts], block_size, first_block
-        self.tables: list[list[int]] = [[] for _ in prompts]
-        self.done = [0] * len(prompts)
-
-    def batch(self, row: SamplingRow) -> Batch:
-        ids, pos, slots, qlens, ctx = [], [], [], [], []
-        for i, toks in enumerate(self.tokens):
-            while len(self.tables[i]) * self.bs < len(toks):
-                self.tables[i].append(self.next)
-                self.next += 1
-            span = range(self.done[i], len(toks))
-            ids += toks[span.start:]
-            pos += span
-            slots += [self.tables[i][p // self.bs] * self.bs + p % self.bs for p in span]
-            qlens.append(len(span))
-            ctx.append(len(toks))
-        n = len(self.tokens)
-        return Batch(ids, pos, slots, qlens, ctx, [list(t) for t in self.tables], list(range(n)),
-                     [row] * n)
-
-    def advance(self, tokens: list[int]) -> None:
-        for i, t in enumerate(tokens):
-            self.done[i] = len(self.tokens[i])
-            self.tokens[i].append(t)
-
-
-def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def parity(check: Check) -> dict:
@@ -311,16 +291,6 @@ def parity(check: Check) -> dict:
     }
 
 
-def decode_batch(batch: int, context: int, first_block: int, bs: int = 16) -> Batch:
-    """`batch` rows at `context` tokens each on fresh pages; the KV contents do not matter."""
-    per_seq = -(-context // bs)
-    tables = [list(range(first_block + i * per_seq, first_block + (i + 1) * per_seq))
-              for i in range(batch)]
-    last = context - 1
-    return Batch([1] * batch, [last] * batch, [t[last // bs] * bs + last % bs for t in tables],
-                 [1] * batch, [context] * batch, tables, list(range(batch)), [GREEDY] * batch)
-
-
 def speed(check: Check) -> dict:
     runner = check.runner
     graphs, context = runner.graphs, check.size["decode_context"]
@@ -353,19 +323,19 @@ def main() -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU")
     parser.add_argument("--layers", type=int, default=0, help="fewer layers than the model's")
-    parser.add_argument("--budget-s", type=float, default=450, help="skip sections after this")
-    parser.add_argument("--pytest-timeout-s", type=float, default=240)
+    parser.add_argument("--budget-s", type=float, default=330, help="skip sections after this")
+    parser.add_argument("--pytest-timeout-s", type=float, default=150)
+    parser.add_argument("--tokenizer", default=None,
+                        help="an HF tokenizer folder for the engine section (default: "
+                        "scripts/gpu_check_tokenizer if present, else a word-level one)")
     check = Check(parser.parse_args())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         handlers=[logging.StreamHandler(sys.stdout),
                                   logging.FileHandler(check.out / "gpu_check.log", mode="w")])
-    check.results["env"] = {
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }
     if not check.smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke for the CPU check")
         return 2
+    check.section("env", env)
     check.section("kernels", kernels)
     check.section("roofline", roofline)
     check.section("attention", attention)
@@ -373,8 +343,15 @@ def main() -> int:
     if check.runner is None:  # e.g. capture failed: eager figures are still worth having
         check.section("model_eager", partial(build_model, eager=True))
     if check.runner is not None:
-        check.section("parity", parity)
-        check.section("speed", speed)
+        for name, fn in (("sync_audit", sync_audit), ("parity", parity),
+                         ("bucket_sweep", bucket_sweep), ("speed", speed),
+                         ("anatomy", anatomy), ("gil", gil)):
+            check.section(name, fn)
+    check.free_runner()
+    check.section("hf_parity", hf_parity)
+    check.section("large_pool", large_pool)
+    check.section("engine", engine)
+    check.section("pytest", pytest_section)
     rows = table(check.results)
     check.results["table"] = rows
     check.save()

@@ -41,11 +41,15 @@ GREEDY = SamplingRow(temperature=0.0, logprobs=2)
 class Sequences:
     """Hands out pages and builds scheduler-like batches for a few sequences."""
 
-    def __init__(self, prompts: list[list[int]], block_size: int = BLOCK, first_block: int = 1):
+    def __init__(self, prompts: list[list[int]], block_size: int = BLOCK, first_block: int = 1,
+                 rows: bool = False):
+        """`rows`: send block tables as the engine does, as deltas to persistent rows
+        (sequence i on row i); else whole tables, as a hand-made batch."""
         self.tokens = [list(p) for p in prompts]
         self.block_size, self.next_block = block_size, first_block
         self.tables: list[list[int]] = [[] for _ in prompts]
         self.computed = [0] * len(prompts)
+        self.rows, self.sent = rows, [0] * len(prompts)
 
     def _slots(self, i: int, start: int, end: int) -> list[int]:
         while len(self.tables[i]) * self.block_size < end:
@@ -66,8 +70,16 @@ class Sequences:
             qlens.append(end - start)
             ctx.append(end)
             tables.append(list(self.tables[i]))
-        return Batch(ids, pos, slots, qlens, ctx, tables, list(range(len(rows))),
-                     [GREEDY] * len(rows))
+        if not self.rows:
+            return Batch(ids, pos, slots, qlens, ctx, tables, list(range(len(rows))),
+                         [GREEDY] * len(rows))
+        updates = []
+        for i in rows:
+            if len(self.tables[i]) > self.sent[i]:
+                updates.append((i, self.sent[i], self.tables[i][self.sent[i]:]))
+                self.sent[i] = len(self.tables[i])
+        return Batch(ids, pos, slots, qlens, ctx, None, list(range(len(rows))),
+                     [GREEDY] * len(rows), table_rows=list(rows), table_updates=updates)
 
     def advance(self, rows: list[int], tokens: list[int]) -> None:
         for i, t in zip(rows, tokens):
@@ -116,28 +128,29 @@ def decode_batch() -> Batch:
 
 def test_padding_copies_real_rows_and_adds_dummies() -> None:
     batch = decode_batch()
-    padded = pad_decode_batch(batch, 8)
+    padded = pad_decode_batch(batch, 8, padding_row=99)
     assert padded.token_ids == [11, 12, 13] + [0] * 5
     assert padded.positions == [4, 20, 0] + [0] * 5
     assert padded.slot_mapping == [36, 101, 48] + [-1] * 5
     assert padded.context_lens == [5, 21, 1] + [0] * 5
-    assert padded.block_tables == [[2, 0], [5, 6], [3, 0]] + [[0, 0]] * 5
+    assert padded.table_rows == [99] * 8  # whole tables: the graph's own buffer holds them
     assert batch.slot_mapping == [36, 101, 48]  # the batch itself is left alone
+    rows = Batch([11, 12], [4, 20], [36, 101], [1, 1], [5, 21], None, [0, 1], [GREEDY] * 2,
+                 table_rows=[7, 3])
+    assert pad_decode_batch(rows, 4, padding_row=99).table_rows == [7, 3, 99, 99]
 
 
 def test_buffers_clear_stale_rows_of_a_larger_batch() -> None:
     buffers = DecodeBuffers(max_size=8, max_blocks_per_seq=4, device=torch.device("cpu"))
-    full = Batch([1] * 4, [30] * 4, [60, 61, 62, 63], [1] * 4, [31] * 4, [[9, 8]] * 4,
-                 [0, 1, 2, 3], [GREEDY] * 4)
-    buffers.load(pad_decode_batch(full, 4))
-    buffers.load(pad_decode_batch(decode_batch(), 4))
+    full = Batch([1] * 4, [30] * 4, [60, 61, 62, 63], [1] * 4, [31] * 4, None,
+                 [0, 1, 2, 3], [GREEDY] * 4, table_rows=[0, 1, 2, 3])
+    buffers.load(pad_decode_batch(full, 4, padding_row=8))
+    buffers.load(pad_decode_batch(decode_batch(), 4, padding_row=8))
     assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buffers.positions[:4].tolist() == [4, 20, 0, 0]
     assert buffers.slot_mapping[:4].tolist() == [36, 101, 48, -1]
     assert buffers.context_lens[:4].tolist() == [5, 21, 1, 0]
-    # Columns past the widest table keep older (valid, never read) block ids.
-    assert buffers.block_tables[:4].tolist() == [[2, 0, 0, 0], [5, 6, 0, 0], [3, 0, 0, 0],
-                                                 [0, 0, 0, 0]]
+    assert buffers.table_rows[:4].tolist() == [8] * 4
     assert buffers.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
     assert buffers.slot_mapping[4:].tolist() == [-1] * 4  # never loaded: still padding
 
@@ -181,15 +194,18 @@ def test_runner_never_captures_on_cpu(tiny_dir, backend, monkeypatch) -> None:
     assert len(result.token_ids) == 2
 
 
-@pytest.mark.parametrize("max_model_len", [128, 1024], ids=["unsplit", "split"])
-def test_replay_on_static_buffers_matches_eager(tiny_dir, max_model_len) -> None:
+@pytest.mark.parametrize(("max_model_len", "engine_rows"),
+                         [(128, False), (1024, False), (128, True)],
+                         ids=["unsplit", "split", "engine-rows"])
+def test_replay_on_static_buffers_matches_eager(tiny_dir, max_model_len, engine_rows) -> None:
     """Padding rows store nothing, and real rows get the eager path's tokens."""
     runner = tiny_runner(tiny_dir, "triton", max_model_len, DEVICE, enforce_eager=True)
     graphs = GraphRunner(runner.model, runner.backend, runner.k_caches, runner.v_caches,
-                         sizes=[1, 2, 4], max_model_len=max_model_len)
+                         sizes=[1, 2, 4], max_model_len=max_model_len, tables=runner.tables)
     assert (graphs.num_splits(1) > 1) == (max_model_len == 1024)
     graphs.capture()
-    seqs = Sequences([list(range(3, 8)), list(range(40, 49)), list(range(100, 120))])
+    seqs = Sequences([list(range(3, 8)), list(range(40, 49)), list(range(100, 120))],
+                     rows=engine_rows)
     seqs.advance([0, 1, 2], runner.execute(seqs.batch()).token_ids)  # eager prefill
     for rows in ([0, 1, 2], [1], [0, 2]):  # buckets 4 (one padding row), 1, 2
         batch = seqs.batch(rows)
@@ -215,6 +231,25 @@ def test_replay_on_static_buffers_matches_eager(tiny_dir, max_model_len) -> None
         assert torch.isfinite(graphs.hidden).all()
         seqs.advance(rows, eager.token_ids)
     assert graphs.replays == 3
+
+
+def test_can_run_refuses_what_the_graphs_cannot_hold(tiny_dir) -> None:
+    """Too many rows, a prefill, or a block table wider than the static buffer (which
+    would index past it and kill the model thread) run eagerly instead."""
+    runner = tiny_runner(tiny_dir, "triton", 128, DEVICE, enforce_eager=True)
+    graphs = GraphRunner(runner.model, runner.backend, runner.k_caches, runner.v_caches,
+                         sizes=[1, 2], max_model_len=128, tables=runner.tables)
+    width = 128 // BLOCK
+
+    def one(table: list[int], qlen: int = 1) -> Batch:
+        return Batch([1] * qlen, list(range(qlen)), [16] * qlen, [qlen], [qlen], [table], [0],
+                     [GREEDY])
+
+    assert graphs.can_run(one([1] * width))
+    assert not graphs.can_run(one([1] * (width + 1)))
+    assert not graphs.can_run(one([1], qlen=2))
+    three = Batch([1] * 3, [0] * 3, [16] * 3, [1] * 3, [1] * 3, [[1]] * 3, [0, 1, 2], [GREEDY] * 3)
+    assert not graphs.can_run(three)
 
 
 def test_profile_query_lens() -> None:

@@ -127,8 +127,9 @@ def test_store_kv_with_no_tokens_is_a_no_op() -> None:
 def test_paged_decode_matches_reference(
     block_size: int, group: int, dtype: torch.dtype, num_splits: int
 ) -> None:
-    # 150 keys = 3 tiles of 64, so 4 splits leave one empty partition; 1 key leaves three.
-    context_lens = [1, 17, 64, 150]
+    # A row uses at most one split per 256 keys: 600 keys take 3 of the 4 splits, 300
+    # take 2, the short rows 1 (written without the merge).
+    context_lens = [1, 17, 64, 300, 600]
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 5
     k_cache, v_cache = random_pool(num_blocks, block_size, dtype)
     block_tables = shuffled_block_tables(context_lens, block_size, num_blocks)
@@ -166,9 +167,11 @@ def test_paged_decode_non_power_of_two_head_dim_and_auto_splits() -> None:
 @pytest.mark.parametrize(
     ("num_seqs", "max_context_len", "expected"),
     [
-        (1, 4096, 16),  # 8 programs fill nothing: split up to the cap
-        (4, 4096, 4),  # 32 programs: 4 splits reach 128 of 132 SMs
-        (32, 4096, 1),  # 256 programs already fill the GPU
+        (1, 4096, 16),  # 8 programs: split as far as 256-key partitions allow
+        (1, 32768, 64),  # up to the cap: 512 programs, about 4 per SM
+        (8, 16384, 8),  # 64 programs x 8 = 512
+        (32, 4096, 2),  # 256 programs: twice that reaches ~4 per SM
+        (66, 4096, 1),  # 528 programs: 4 per SM already
         (1, 300, 1),  # too short: a partition would hold < 256 keys
         (2, 600, 2),
     ],
@@ -178,6 +181,28 @@ def test_choose_num_splits(num_seqs: int, max_context_len: int, expected: int) -
 
 
 # --- prefill --------------------------------------------------------------------
+
+
+def test_prefill_128_row_tiles_and_unmasked_tiles_before_the_diagonal() -> None:
+    """A query long enough for 128-row tiles (16-bit dtypes), over a cached prefix several
+    key tiles long: the tiles before the diagonal run without a mask."""
+    from gpu.kernels.prefill import tile_sizes
+
+    dtype = torch.bfloat16
+    assert tile_sizes(130, HEAD_DIM, dtype.itemsize)[0] == 128
+    query_lens, prefix_lens = [130, 3], [70, 200]
+    context_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    num_blocks = sum(-(-n // 16) for n in context_lens) + 2
+    k_cache, v_cache = random_pool(num_blocks, 16, dtype)
+    block_tables = shuffled_block_tables(context_lens, 16, num_blocks)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 130, 133], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(133, NUM_KV_HEADS * 2, HEAD_DIM, device=DEVICE, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k_cache, v_cache, block_tables, starts, lens, 130, HEAD_DIM**-0.5,
+                      out=out)
+    ref = prefill_attention_ref(q, k_cache, v_cache, block_tables, starts, lens, HEAD_DIM**-0.5)
+    assert_attention_close(out, ref)
 
 
 @pytest.mark.parametrize("cached_prefix", [False, True], ids=["fresh", "chunked"])
@@ -277,7 +302,21 @@ def test_backend_mixed_batch(dtype: torch.dtype) -> None:
     # fresh prefill, chunked prefill over a cached prefix, and a decode row.
     inputs = build_step([0, 40, 16], [9, 12, 1], block_size=16, num_blocks=12)
     meta = run_two_layers(inputs, dtype, group=3, num_blocks=12)
-    assert not meta.decode_only
+    assert not meta.decode_only and meta.has_decode_rows
+
+
+def test_backend_mixed_batch_decode_rows_take_the_split_decode_kernel(monkeypatch) -> None:
+    """Decode rows between prefill rows, long enough to split: the prefill kernel skips
+    them and the decode kernel finds their queries through query_start_loc."""
+    import gpu.attention.triton_backend as backend_module
+
+    calls = []
+    real = backend_module.paged_decode_attention
+    monkeypatch.setattr(backend_module, "paged_decode_attention",
+                        lambda *a, **kw: calls.append(kw["query_start_loc"]) or real(*a, **kw))
+    inputs = build_step([0, 520, 16, 300], [9, 1, 12, 1], block_size=16, num_blocks=64)
+    meta = run_two_layers(inputs, torch.float32, group=4, num_blocks=64)
+    assert meta.num_splits > 1 and len(calls) == 2 and calls[0] is inputs.query_start_loc
 
 
 @pytest.mark.parametrize("long_context", [False, True], ids=["unsplit", "split"])

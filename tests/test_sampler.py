@@ -1,11 +1,13 @@
 """The sampler's masks, penalties, seeds and logprobs, on hand-made logits."""
 
+import gc
 import math
 
+import pytest
 import torch
 
 from gpu.batch import SamplingRow
-from gpu.sampler import Sampler
+from gpu.sampler import Sampler, keep_top
 
 V = 8
 
@@ -90,5 +92,79 @@ def test_penalty_counts_follow_a_growing_output_without_rescanning():
                             output_token_ids=tuple(output))
         assert s(lg, [fresh])[0] == s(lg, [row])[0]
     assert picks == [0, 0, 1, 0, 1, 2]  # frequency penalties rotate the greedy choice
-    counts, counted = row.penalty_state
-    assert counted == len(output) and counts.tolist() == [3.0, 2.0, 1.0, 0.0]
+    counts, counted = s.penalties.counts_of(row)
+    assert counted == len(output) and counts == [3.0, 2.0, 1.0, 0.0]
+
+
+# --- batched: a row samples the same alone or in any batch ---------------------------
+
+
+def mixed_rows(output: list[int]) -> list[SamplingRow]:
+    return [
+        SamplingRow(temperature=0.0),
+        SamplingRow(temperature=0.0, banned_token_ids=(0, 1), logprobs=3),
+        SamplingRow(seed=5, top_k=3, output_index=2),
+        SamplingRow(seed=6, top_p=0.5, logprobs=0),
+        SamplingRow(seed=7, min_p=0.3, top_k=5, top_p=0.9),
+        SamplingRow(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.1,
+                    repetition_penalty=1.3, output_token_ids=output, logprobs=2),
+        SamplingRow(seed=8, temperature=0.7, repetition_penalty=1.5, output_token_ids=output),
+    ]
+
+
+def test_every_row_of_a_mixed_batch_samples_as_it_would_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 3
+    output = [0, 3, 3, 7]
+    batched = Sampler(torch.device("cpu"), seed=0)(logits, mixed_rows(output))
+    for i, row in enumerate(mixed_rows(output)):
+        alone = Sampler(torch.device("cpu"), seed=0)(logits[i : i + 1], [row])
+        assert batched[0][i] == alone[0][0], i
+        if alone[1][0] is None:
+            assert batched[1][i] is None
+        else:
+            lp, top = batched[1][i]
+            assert lp == pytest.approx(alone[1][0][0], abs=1e-6)
+            assert [t for t, _ in top] == [t for t, _ in alone[1][0][1]]
+    assert batched[0][1] not in (0, 1)  # banned
+    assert len(batched[1][1][1]) == 3 and batched[1][3] == (batched[1][3][0], [])
+
+
+def test_top_k_and_top_p_keep_the_same_tokens_as_a_full_sort():
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(6, 40) * 2, dim=-1)
+    k = torch.tensor([1, 3, 5, 8, 2, 7])
+    p = torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.7])
+    by_topk = keep_top(probs, k, p, k_max=8)
+    by_sort = keep_top(probs, k, p, k_max=40)
+    assert torch.equal(by_topk, by_sort)
+    kept = by_sort.sum(-1)
+    assert kept[0] == 1 and kept[4] == 2 and (kept >= 1).all() and (kept <= k).all()
+
+
+def test_penalty_slots_are_reused_and_grow():
+    s = Sampler(torch.device("cpu"))
+    lg = torch.zeros(1, 4)
+    rows = [SamplingRow(temperature=0.0, frequency_penalty=1.0, output_token_ids=[i % 4])
+            for i in range(12)]  # more than the first 8 slots
+    s(torch.zeros(12, 4), rows)
+    assert s.penalties.counts.shape[0] == 16
+    assert [s.penalties.counts_of(r)[0] for r in rows[:2]] == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    del rows
+    gc.collect()
+    fresh = SamplingRow(temperature=0.0, presence_penalty=1.0, output_token_ids=[2])
+    assert s(lg, [fresh])[0] == [0]
+    assert s.penalties.counts_of(fresh)[0] == [0, 0, 1, 0]  # a reused slot starts at zero
+    assert s.penalties.counts.shape[0] == 16
+
+
+def test_a_greedy_batch_is_one_argmax_and_one_wait(monkeypatch):
+    import gpu.sampler
+
+    waits = []
+    real = gpu.sampler.to_host
+    monkeypatch.setattr(gpu.sampler, "to_host", lambda *t: waits.append(len(t)) or real(*t))
+    s = Sampler(torch.device("cpu"))
+    s.staging.stage = None  # nothing to stage: calling it would fail
+    tokens, _ = s(torch.eye(3, 5), [SamplingRow(temperature=0.0)] * 3)
+    assert tokens == [0, 1, 2] and waits == [1]

@@ -31,6 +31,7 @@ from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
+from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
 from gpu.runner import RunnerSpec, choose_dtype, resolve_device
 from gpu.worker import StepFailed, Worker
@@ -95,6 +96,8 @@ class EngineCore:
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.scheduler = Scheduler(sched, self.blocks, self.admission)
+        # Block tables reach the model thread as deltas to its persistent rows.
+        self.table_rows = TableRows(sched.max_num_seqs)
         self._submitted_at = 0.0
         self.outputs = OutputProcessor(FastDecoder(self.tokenizer), self.max_model_len)
         self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size,
@@ -237,7 +240,7 @@ class EngineCore:
             slots += self.blocks.slots(req.request_id, start, start + n)
             qlens.append(n)
             ctx_lens.append(start + n)
-            tables.append(list(self.blocks.block_table(req.request_id)))  # a snapshot
+            tables.append((req.request_id, self.blocks.block_table(req.request_id)))
             if seq.samples:
                 sample_idx.append(i)
                 rows.append(self._update_row(req))
@@ -245,8 +248,9 @@ class EngineCore:
                 targets = req.prompt_token_ids[start + 1:min(start + n + 1,
                                                              req.num_prompt_tokens)]
                 scoring.append(PromptLogprobsRequest(i, targets, req.params.prompt_logprobs))
-        return Batch(token_ids, positions, slots, qlens, ctx_lens, tables, sample_idx, rows,
-                     scoring)
+        table_rows, table_updates = self.table_rows.assign(tables)
+        return Batch(token_ids, positions, slots, qlens, ctx_lens, None, sample_idx, rows,
+                     table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring)
 
     def _update_row(self, req: Request) -> SamplingRow:
         """Bring the request's row up to this step: only the output index and the bans
@@ -380,6 +384,7 @@ class EngineCore:
     def check_invariants(self) -> None:
         """Block pool invariant plus: every owner of blocks is a live running request."""
         self.blocks.check()
+        self.table_rows.check()
         running = {r.request_id for r in self.scheduler.running}
         owners = set(self.blocks.owners())
         assert owners <= running, f"blocks owned by requests not running: {owners - running}"

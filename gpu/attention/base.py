@@ -44,6 +44,9 @@ class AttentionInputs:
 class AttentionBackend(ABC):
     """Writes new K/V into the paged pool and attends over each sequence's pages."""
 
+    # True when `forward` can apply RoPE to q and k itself, fused with the KV store.
+    fuses_rotary = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -73,12 +76,14 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: Any,
         sliding_window: int | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store k/v at their slots, then return attention output for the T new tokens.
 
         A `sliding_window` W hides keys at positions <= p - W from the query at p. Those
         keys' values are never used, so their blocks may be freed and reused as long as
-        the block table still names some valid block there."""
+        the block table still names some valid block there. `rotary` (cos, sin), given
+        only to a backend that `fuses_rotary`, means q and k still need RoPE."""
 
 
 @dataclass
@@ -90,9 +95,14 @@ class StepContext:
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
 
+    @property
+    def rotates(self) -> bool:
+        return self.backend.fuses_rotary
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sliding_window: int | None = None):
+               sliding_window: int | None = None,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
         return self.backend.forward(
             q, k, v, self.k_caches[layer_idx], self.v_caches[layer_idx], self.meta,
-            sliding_window,
+            sliding_window, rotary,
         )

@@ -110,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
                       valid, len(seqs), q_max, l_max, identity)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, rotary=None):
+        assert rotary is None, "the model rotates q and k itself here (fuses_rotary is False)"
         # The CPU path never pads, so every slot is a real one (-1 never occurs here).
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))

@@ -1,22 +1,29 @@
 """Paged decode attention: one new query token per sequence over its cached pages.
 
 Decode is memory-bound: every cached K/V byte is read once per step and used
-for a handful of FLOPs. Two choices follow from that:
+for a handful of FLOPs. Three choices follow from that:
 
 - **GQA grouping.** A program owns one (sequence, KV head) pair and all the
   query heads that share that KV head, so each K/V tile is loaded once per
   group rather than once per query head (8x less traffic at a GQA ratio of 8).
   The group's query heads form the M side of a small `tl.dot`, padded to 16.
-- **Split-K (flash-decoding).** With few sequences, B * kv_heads programs cannot
-  fill the GPU's SMs and a long context is walked serially by one program. Then
-  the context is cut into `num_splits` partitions processed by separate
-  programs, each writing a partial (max, sum, unnormalised out); a second kernel
-  merges them. `choose_num_splits` decides.
+- **Split-K (flash-decoding)** when the batch alone cannot fill the GPU: see
+  `decode_splits.py` (how many partitions, chosen per row on the device; the merge).
+- **Loads in flight.** Small key tiles (`DECODE_BLOCK_N` = 32) and a 5-stage software
+  pipeline keep the next two tiles' K and V (and their block ids) loading while this
+  one is used. The indirection through the block table costs the pipeliner stages: at 3
+  or 4 it keeps a single K/V buffer, one tile in flight (TTGIR checked offline for
+  sm_90 with `scripts/kernel_ir.py`). At 96 registers and 37 KiB of shared memory, four
+  CTAs fit an SM, so `choose_num_splits` aims for four programs per SM.
 
 Keys are gathered token by token through the block table (page = position //
 block_size), so any block size works, including ones smaller than a tile. With a
 sliding window W only the tiles holding the last W keys are walked (and split).
 Softmax runs online in fp32 using exp2 with the scale folded into log2 units.
+
+In a mixed batch (prefill and decode rows together) the same kernel serves the
+one-token rows: given `query_start_loc`, a program finds its row's query there and
+leaves rows with longer queries to the prefill kernel.
 """
 
 from __future__ import annotations
@@ -24,17 +31,24 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from gpu.kernels.decode_splits import (  # noqa: F401  (re-exported: the split API)
+    HOPPER_NUM_SMS,
+    MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
+    SplitWorkspace,
+    choose_num_splits,
+    reduce_splits,
+    row_split_range,
+)
+
 LOG2E = math.log2(math.e)
-HOPPER_NUM_SMS = 132
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
-MAX_SPLITS = 16
-DECODE_BLOCK_N = 64  # keys per inner-loop tile
+DECODE_BLOCK_N = 32  # keys per inner-loop tile (16 in fp32: 32 spills registers)
+DECODE_STAGES = 5  # software pipeline depth on CUDA: two K/V tiles in flight
 
 
 @triton.jit
@@ -44,6 +58,7 @@ def _paged_decode_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    query_start_loc_ptr,
     out_ptr,
     part_out_ptr,
     part_m_ptr,
@@ -76,10 +91,23 @@ def _paged_decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    MIXED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    row = seq  # of q and out
+    if MIXED:  # one-token rows only; the prefill kernel takes the rest
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
+            return
+    # This program's share of the context, in whole tiles. Computed here from the
+    # device-side length so the launch grid never depends on it (CUDA graphs).
+    context_len = tl.load(context_lens_ptr + seq)
+    first_key, tile_start, tile_end, row_splits = row_split_range(
+        context_len, window, split, num_splits, BLOCK_N, SLIDING)
+    if split >= row_splits:
+        return
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -88,22 +116,10 @@ def _paged_decode_kernel(
     heads = kv_head * GROUP + offs_h
 
     q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-
-    # This program's share of the context, in whole tiles. Computed here from the
-    # device-side length so the launch grid never depends on it (CUDA graphs).
-    context_len = tl.load(context_lens_ptr + seq)
-    first_key = 0  # the oldest key the new token sees
-    if SLIDING:
-        first_key = tl.maximum(context_len - window, 0)
-    first_tile = first_key // BLOCK_N
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
-    tile_start = first_tile + split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -152,61 +168,22 @@ def _paged_decode_kernel(
 
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if SPLIT:
-        # Partials are [B, H, S] (+ [D]); an empty split writes m=-inf, l=0, acc=0.
-        num_heads = tl.num_programs(1) * GROUP
-        row = (seq * num_heads + heads) * num_splits + split
-        tl.store(part_m_ptr + row, m, mask=head_mask)
-        tl.store(part_l_ptr + row, l, mask=head_mask)
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-    else:
-        # An empty context (a padding row) yields zeros instead of 0/0.
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
-
-
-@triton.jit
-def _reduce_splits_kernel(
-    part_out_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    out_ptr,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_mask = offs_s < num_splits
-    dim_mask = offs_d < HEAD_DIM
-    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
-
-    m = tl.load(part_m_ptr + row, mask=split_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=split_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    # Rescale every split to the global max; empty splits (m=-inf) weigh 0.
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref))
-    l_total = tl.sum(weight * l, axis=0)
-    acc = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=split_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
+        if row_splits > 1:
+            # Partials are [B, H, S] (+ [D]); an empty split writes m=-inf, l=0, acc=0.
+            num_heads = tl.num_programs(1) * GROUP
+            part = (seq * num_heads + heads) * num_splits + split
+            tl.store(part_m_ptr + part, m, mask=head_mask)
+            tl.store(part_l_ptr + part, l, mask=head_mask)
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=out_mask)
+            return
+    # A row left whole writes its output here. An empty context (a padding row) yields
+    # zeros instead of 0/0.
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(
-        out_ptr + seq * stride_ot + head * stride_oh + offs_d * stride_od,
+        out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
-        mask=dim_mask,
+        mask=out_mask,
     )
 
 
@@ -233,46 +210,8 @@ def num_sms(device: torch.device) -> int:
     return HOPPER_NUM_SMS
 
 
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int = HOPPER_NUM_SMS
-) -> int:
-    """How many partitions to cut each context into.
-
-    Split only when the unsplit grid (num_seqs * num_kv_heads programs) leaves
-    SMs idle, and never so finely that a partition holds fewer than
-    MIN_TOKENS_PER_SPLIT keys. E.g. 1 sequence x 8 KV heads at 4k context: 16
-    splits (128 programs); 32 sequences x 8 KV heads: 1.
-    """
-    programs = num_seqs * num_kv_heads
-    if programs >= sm_count:
-        return 1
-    by_occupancy = sm_count // programs
-    by_length = max_context_len // MIN_TOKENS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-@dataclass
-class SplitWorkspace:
-    """fp32 partials of a split decode; allocate once per step, reuse in every layer."""
-
-    out: torch.Tensor  # [B, H, S, D]
-    m: torch.Tensor  # [B, H, S] running max, log2 units
-    l: torch.Tensor  # [B, H, S] running sum of exp2
-
-    @classmethod
-    def allocate(
-        cls, batch: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
-    ) -> SplitWorkspace:
-        shape = (batch, num_heads, num_splits)
-        return cls(
-            out=torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
-            m=torch.empty(shape, dtype=torch.float32, device=device),
-            l=torch.empty(shape, dtype=torch.float32, device=device),
-        )
-
-
 def paged_decode_attention(
-    q: torch.Tensor,  # [B, num_heads, head_dim]
+    q: torch.Tensor,  # [B, num_heads, head_dim] (mixed: [T, ...], the batch's every token)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -284,6 +223,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     workspace: SplitWorkspace | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole paged cache (or
     over its last `sliding_window` keys).
@@ -291,10 +231,16 @@ def paged_decode_attention(
     `num_splits=None` asks `choose_num_splits`; pass `max_context_len` (known on
     the host) to spare a device sync. A CUDA-graph runner should fix num_splits
     per captured bucket so the grid stays constant.
+
+    With `query_start_loc` ([B+1], a mixed batch), only sequences with one new token
+    are computed, each reading and writing row `query_start_loc[i]` of q and `out`;
+    the other rows of `out` are left for the prefill kernel.
     """
-    batch, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
+    batch = context_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
+    assert query_start_loc is not None or q.shape[0] == batch
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -309,10 +255,10 @@ def paged_decode_attention(
         workspace = SplitWorkspace.allocate(batch, num_heads, head_dim, num_splits, q.device)
     if split:
         assert workspace.m.shape == (batch, num_heads, num_splits), "workspace of another step"
-    # The kernel needs some tensor for the unused partial pointers.
+    # The kernel needs some tensor for the unused pointers.
     parts = (workspace.out, workspace.m, workspace.l) if split else (out, out, out)
-    block_d = max(16, triton.next_power_of_2(head_dim))
     dot_dtype, dot_precision = dot_config(q.dtype, q.device)
+    block_n = DECODE_BLOCK_N if q.element_size() < 4 else DECODE_BLOCK_N // 2
 
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -320,6 +266,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         context_lens,
+        context_lens if query_start_loc is None else query_start_loc,
         out,
         *parts,
         scale * LOG2E,
@@ -334,25 +281,16 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot wants M >= 16
-        BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n,
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         SLIDING=sliding_window is not None,
+        MIXED=query_start_loc is not None,
         num_warps=4,
+        num_stages=DECODE_STAGES,
     )
     if split:
-        _reduce_splits_kernel[(batch, num_heads)](
-            workspace.out,
-            workspace.m,
-            workspace.l,
-            out,
-            num_splits,
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            num_warps=1,
-        )
+        reduce_splits(workspace, out, context_lens, query_start_loc, sliding_window, block_n)
     return out

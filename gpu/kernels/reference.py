@@ -9,11 +9,16 @@ ordinary indexing, so a reader can check the semantics without knowing Triton:
   cached tokens, and each attends causally to every cached token up to and
   including its own position (so a cached prefix makes it a chunked prefill);
 - with a sliding window W, the token at position p sees only keys p - W + 1 .. p.
+
+The fused elementwise kernels (add + RMSNorm, SiLU-and-multiply) have theirs in
+`models/ops.py` (`DecoderOps`: what the CPU path runs); RoPE is `models.rope`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from models.rope import apply_rotary
 
 
 def store_kv_ref(
@@ -31,6 +36,12 @@ def store_kv_ref(
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def rotary_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """RoPE on q (in place) and k, exactly as the model applies it unfused, then the store."""
+    q.copy_(apply_rotary(q, cos, sin))
+    store_kv_ref(apply_rotary(k, cos, sin), v, k_cache, v_cache, slot_mapping)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

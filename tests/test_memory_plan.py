@@ -1,0 +1,32 @@
+"""The KV pool arithmetic (`gpu/memory.py`): what is left after weights, activations and
+graphs, and never memory that was already in use when the runner started."""
+
+from __future__ import annotations
+
+from gpu.memory import GiB, plan_kv_cache
+
+PER_TOKEN = 128 << 10  # Llama-3-8B in bf16
+
+
+def plan(**kw):
+    args = dict(bytes_per_token=PER_TOKEN, block_size=16, max_model_len=8192,
+                weights_bytes=15 * GiB, total_device_bytes=140 * GiB,
+                gpu_memory_utilization=0.9, peak_activation_bytes=2 * GiB,
+                graph_bytes=GiB // 2)
+    return plan_kv_cache(**(args | kw))
+
+
+def test_an_empty_gpu_gives_utilization_times_total_minus_the_rest():
+    expect = int(140 * GiB * 0.9) - int(17.5 * GiB)
+    assert plan().kv_bytes == expect // (16 * PER_TOKEN) * 16 * PER_TOKEN
+    assert plan(free_device_bytes=140 * GiB).kv_bytes == plan().kv_bytes
+
+
+def test_memory_in_use_at_start_is_not_given_away():
+    """Another process holds 40 GiB: the headroom (10% of total) is still left free."""
+    shared = plan(free_device_bytes=100 * GiB)
+    usable = 100 * GiB - (140 * GiB - int(140 * GiB * 0.9))
+    assert shared.kv_bytes <= usable - int(17.5 * GiB)
+    assert shared.kv_bytes > usable - int(17.5 * GiB) - 16 * PER_TOKEN
+    # A CUDA context's worth in use (it is this process's too) comes out of the pool.
+    assert plan().kv_bytes - plan(free_device_bytes=139 * GiB).kv_bytes <= GiB
