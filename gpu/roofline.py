@@ -87,9 +87,16 @@ class DevicePeaks:
 
     def as_dict(self) -> dict:
         return {"memory_bandwidth_gb_per_s": round(self.bandwidth / 1e9, 2),
-                "matmul_tflop_per_s": round(self.flops / 1e12, 4),
+                "matmul_tflop_per_s": round(self.flops / 1e12, 6),
                 "ridge_flop_per_byte": round(self.ridge, 2), "device": self.device,
                 "dtype": self.dtype, "how": self.how}
+
+
+def flop_rate(flops_per_s: float) -> str:
+    """'23.4 GFLOP/s' on a CPU, '989.0 TFLOP/s' on a GPU."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.1f} TFLOP/s"
+    return f"{flops_per_s / 1e9:.1f} GFLOP/s"
 
 
 def attention_work(query_lens: list[int], context_lens: list[int],

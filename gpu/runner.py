@@ -20,7 +20,7 @@ from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
-from gpu.roofline import DevicePeaks, ModelCost
+from gpu.roofline import DevicePeaks, ModelCost, flop_rate
 from gpu.sampler import Sampler
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
@@ -295,9 +295,9 @@ class ModelRunner:
 def log_roofline(peaks: DevicePeaks, cost: ModelCost, max_num_seqs: int, max_model_len: int
                  ) -> None:
     """Beside the memory plan: the device's roofs, and where decode will sit on them."""
-    log.info("Device peaks: %.1f GB/s copy bandwidth, %.2f TFLOP/s %s matmul; ridge at %.1f "
-             "FLOP/byte (%s)", peaks.bandwidth / 1e9, peaks.flops / 1e12, peaks.dtype,
-             peaks.ridge, peaks.how)
+    log.info("Device peaks: %.1f GB/s copy bandwidth, %s %s matmul; ridge at %.1f FLOP/byte "
+             "(%s)", peaks.bandwidth / 1e9, flop_rate(peaks.flops), peaks.dtype, peaks.ridge,
+             peaks.how)
     context = max_model_len // 2
     for batch in sorted({1, max_num_seqs}):
         step = cost.decode(batch, context)

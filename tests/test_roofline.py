@@ -138,9 +138,18 @@ def test_stats_line_gains_the_roofline():
     assert format_roofline(decode, prefill, peaks) == ""
     decode.add(_stats(0, 8, 1.0, 10**9, 5 * 10**8))
     line = format_roofline(decode, prefill, peaks)
-    assert line == ", Decode MBU: 50.0% (2.0 FLOP/B), ridge 10.0 FLOP/B"
+    assert line == ", Decode MBU: 50.0% (at 2.0 FLOP/B), ridge 10.0 FLOP/B"
     prefill.add(_stats(64, 1, 1.0, 4 * 10**9, 10**8))
-    assert "Prefill MFU: 40.0% (40.0 FLOP/B)" in format_roofline(decode, prefill, peaks)
+    assert "Prefill MFU: 40.0% (at 40.0 FLOP/B)" in format_roofline(decode, prefill, peaks)
+    # Past the ridge decode is compute-bound: its MFU is shown too (and MBU for a short
+    # prefill below it).
+    decode.add(_stats(0, 64, 1.0, 3 * 10**10, 10**8))
+    assert "Decode MBU: 30.0% (MFU 155.0% at 51.7 FLOP/B)" in format_roofline(
+        decode, prefill, peaks)
+    short = PhaseTotals()
+    short.add(_stats(4, 1, 1.0, 10**9, 10**9))
+    assert "Prefill MFU: 10.0% (MBU 100.0% at 1.0 FLOP/B)" in format_roofline(
+        PhaseTotals(), short, peaks)
 
 
 def test_engine_steps_carry_their_cost(tiny_dir):

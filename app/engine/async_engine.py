@@ -206,13 +206,15 @@ class AsyncEngine:
         if out is None:
             return False
         self.metrics.observe_aborted(out)
-        log.info("request aborted", extra={"request_id": request_id})
         stream = self._streams.pop(request_id, None)
-        if stream is not None:
+        if stream is None:
+            log.info("request aborted", extra={"request_id": request_id})
+        else:  # in its caller's context, as `request finished`
+            stream.context.run(log.info, "request aborted", extra={"request_id": request_id})
             self._end_of_sequence(stream, out)
-        if stream is not None and not stream.finished:
-            stream.finished = True
-            stream.queue.put_nowait(out)
+            if not stream.finished:
+                stream.finished = True
+                stream.queue.put_nowait(out)
         self.metrics.record_step(self.core.idle_stats())  # gauges: the pool just shrank
         return True
 

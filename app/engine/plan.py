@@ -20,7 +20,7 @@ from typing import Any
 
 from app.config import DEFAULT_MAX_MODEL_LEN, CacheConfig, EngineConfig
 from gpu.memory import GiB, KVPlan, plan_kv_cache
-from gpu.roofline import DevicePeaks, ModelCost, StepCost
+from gpu.roofline import DevicePeaks, ModelCost, StepCost, flop_rate
 from models.config import ModelConfig
 
 
@@ -169,7 +169,7 @@ def format_plan(report: dict[str, Any]) -> str:
              f"{mem['max_concurrency']:.2f}x"]
     if peaks:
         lines.append(f"Device peaks: {peaks['memory_bandwidth_gb_per_s']:.1f} GB/s, "
-                     f"{peaks['matmul_tflop_per_s']:.3f} TFLOP/s {peaks['dtype']}; ridge at "
+                     f"{flop_rate(peaks['matmul_tflop_per_s'] * 1e12)} {peaks['dtype']}; ridge at "
                      f"{peaks['ridge_flop_per_byte']:.1f} FLOP/byte ({peaks['how']})")
     else:
         lines.append("Device peaks: not known (--measure-peaks on this machine, or "
