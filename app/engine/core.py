@@ -301,10 +301,12 @@ class EngineCore:
     def _stats(self, prompt_tokens: int, generation_tokens: int,
                out: SchedulerOutput, cost: StepCost | None = None) -> StepStats:
         s = self.scheduler
-        work = (cost.seconds, cost.flops, cost.bytes_read, cost.bytes_written) if cost else ()
+        work = {} if cost is None else dict(model_seconds=cost.seconds, flops=cost.flops,
+                                            bytes_read=cost.bytes_read,
+                                            bytes_written=cost.bytes_written)
         return StepStats(prompt_tokens, generation_tokens, len(out.preempted), len(s.running),
                          len(s.waiting), self.blocks.usage, out.prefix_queried, out.prefix_hit,
-                         *work)
+                         **work)
 
     def idle_stats(self) -> StepStats:
         """The state between steps (after aborts, or with nothing to run)."""
