@@ -1,4 +1,4 @@
-"""`ridgeline` command line: serve, generate, bench, export-model.
+"""`ridgeline` command line: serve, generate, plan, bench, export-model.
 
 Flag names follow vLLM, with SGLang's spellings accepted as aliases where they differ.
 """
@@ -69,6 +69,28 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(engine_config_from_args(a), ServerSettings.from_kwargs(**vars(a)))
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    """The memory plan and the roofline for a model, without serving it (no device needed)."""
+    import json
+    import logging
+
+    from app.config import parse_bytes
+    from app.engine.plan import format_plan, offline_plan
+    from gpu.roofline import DevicePeaks
+
+    if (a.peak_bandwidth_gbps is None) != (a.peak_tflops is None):
+        raise SystemExit("give both --peak-bandwidth-gbps and --peak-tflops, or neither")
+    peaks = None if a.peak_tflops is None else DevicePeaks(
+        a.peak_bandwidth_gbps * 1e9, a.peak_tflops * 1e12, device="given", dtype="given",
+        how="given on the command line")
+    logging.getLogger("ridgeline.memory").setLevel(logging.WARNING)  # printed below instead
+    report = offline_plan(engine_config_from_args(a),
+                          parse_bytes(a.device_memory) if a.device_memory else None, peaks,
+                          a.measure_peaks)
+    print(json.dumps(report, indent=2) if a.json else format_plan(report))
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.bench_cmd == "throughput":
         from app.bench.throughput import run
@@ -101,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="the memory plan and the roofline for a model, without "
+                       "serving it: weights, KV bytes per token, pool, concurrency, and where "
+                       "decode and prefill steps sit against the device's peaks")
+    add_engine_args(p)
+    p.add_argument("--device-memory", default=None,
+                   help="plan for a GPU of this much memory (e.g. 80GiB) that this machine "
+                   "need not have; the pool is then an upper bound")
+    p.add_argument("--measure-peaks", action="store_true",
+                   help="measure this machine's copy bandwidth and matmul throughput")
+    p.add_argument("--peak-bandwidth-gbps", type=float, default=None,
+                   help="the device's memory bandwidth in GB/s (e.g. from its data sheet)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's matmul TFLOP/s in the served dtype")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (as GET /plan)")
+    p.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("export-model", help="write the (default) model as an HF directory")
     e.add_argument("out_dir")

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from app.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.outputs import RequestOutput
+from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from models.tokenizer import apply_chat_template
 
@@ -34,6 +35,7 @@ class LLM:
             raise TypeError("pass either config or model and settings, not both")
         self.engine = EngineCore(config or EngineConfig.from_kwargs(model=model, **settings))
         self._ids = itertools.count()
+        self.roofline = RooflineTracker(self.engine.peaks)  # where the steps sat
 
     @property
     def tokenizer(self):
@@ -72,7 +74,9 @@ class LLM:
         try:
             with tqdm(total=n, desc="Generating", disable=not use_tqdm, unit="req") as bar:
                 while self.engine.has_work:
-                    for out in self.engine.step().outputs:
+                    step = self.engine.step()
+                    self.roofline.record(step.stats)
+                    for out in step.outputs:
                         if out.finished:
                             results[order[out.request_id]] = out
                             bar.update(1)

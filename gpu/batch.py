@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu.roofline import StepCost
+
 
 @dataclass(eq=False)
 class SamplingRow:
@@ -142,3 +144,5 @@ class StepResult:
     # per target, `rank` being 1 + how many tokens scored higher than the target.
     prompt_logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = field(
         default_factory=dict)
+    # The step's FLOPs and bytes from its shape, and the model thread's time for it.
+    cost: StepCost | None = None

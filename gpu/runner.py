@@ -18,8 +18,10 @@ import torch
 from gpu.attention.base import AttentionBackend, StepContext
 from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.block_table import DeviceBlockTable
-from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache
+from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache
+from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
+from gpu.roofline import DevicePeaks, ModelCost, flop_rate
 from gpu.sampler import Sampler
 from gpu.staging import Staging
 from gpu.step_inputs import apply_table_updates, stage_eager_step
@@ -171,11 +173,14 @@ class ModelRunner:
             pack_linears(self.model)
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
+        # Before the profile and the pool: on CUDA the measurement's buffers must fit.
+        self.peaks: DevicePeaks = measure_peaks(self.device, self.dtype, weights_bytes)
         self.profile = self._profile()
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         self.plan: KVPlan = plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                torch.tensor([], dtype=self.dtype).element_size(),
+                dtype_bytes,
             ),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
@@ -189,6 +194,8 @@ class ModelRunner:
             graph_bytes=self.profile.graph_bytes,
             sliding_window=self.config.uniform_window,
         )
+        self.cost = ModelCost.from_config(self.config, dtype_bytes, self.plan.sliding_window)
+        log_roofline(self.peaks, self.cost, spec.max_num_seqs, self.plan.max_model_len)
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
         # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -248,6 +255,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepResult:
+        """Run the step; the result carries its cost (FLOPs, bytes) and its time."""
+        t0 = time.perf_counter()
+        result = self._execute(batch)
+        if self.device.type == "cuda":  # a step without sampled rows has not synced yet
+            torch.cuda.synchronize(self.device)
+        rows = len(batch.sample_indices) + sum(len(p.targets) for p in batch.prompt_logprobs)
+        result.cost = self.cost.step(batch.query_lens, batch.context_lens, rows,
+                                     time.perf_counter() - t0)
+        return result
+
+    def _execute(self, batch: Batch) -> StepResult:
         """Forward, logits for the rows that sample, sampling. The host waits on the
         device once per step, when the sampled tokens come back (`gpu/staging.py`)."""
         if self.governor is not None:
@@ -297,3 +315,20 @@ class ModelRunner:
             result.token_ids.append(token)
             result.logprobs.append(lp)
         return result
+
+
+def log_roofline(peaks: DevicePeaks, cost: ModelCost, max_num_seqs: int, max_model_len: int
+                 ) -> None:
+    """Beside the memory plan: the device's roofs, and where decode will sit on them."""
+    log.info("Device peaks: %.1f GB/s copy bandwidth, %s %s matmul; ridge at %.1f FLOP/byte "
+             "(%s)", peaks.bandwidth / 1e9, flop_rate(peaks.flops), peaks.dtype, peaks.ridge,
+             peaks.how)
+    context = max_model_len // 2
+    for batch in sorted({1, max_num_seqs}):
+        step = cost.decode(batch, context)
+        floor = peaks.floor_seconds(step)
+        log.info("Roofline: decode at batch %d, context %d reads %.3f GiB and does %.1f FLOP/byte "
+                 "(%s-bound): at best %.2f ms per step, %.0f tokens/s", batch, context,
+                 step.bytes / GiB, step.intensity,
+                 "memory" if step.intensity < peaks.ridge else "compute", floor * 1e3,
+                 batch / floor)

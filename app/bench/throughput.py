@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from app.config import EngineConfig
+from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from app.llm import LLM
 
@@ -31,6 +32,7 @@ def bench_ridgeline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     pre = llm.engine.scheduler.num_preemptions
+    llm.roofline = RooflineTracker(llm.engine.peaks)  # the timed run's steps only
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
@@ -43,6 +45,9 @@ def bench_ridgeline(llm: LLM, prompts: list[list[int]], output_len: int) -> dict
         "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt,
         "requests_per_s": len(prompts) / dt,
         "preemptions": llm.engine.scheduler.num_preemptions - pre,
+        # Where the steps sat against the peaks measured at start (gpu/roofline.py).
+        "roofline": llm.roofline.snapshot()["since_start"],
+        "peaks": llm.engine.peaks.as_dict() if llm.engine.peaks else None,
     }
 
 
@@ -103,6 +108,18 @@ def run(a: argparse.Namespace, config: EngineConfig) -> int:
     for r in rows:
         print(f"{r['engine']:32} {r['seconds']:8.2f} {r['output_tokens_per_s']:10.1f} "
               f"{r['total_tokens_per_s']:12.1f} {r['requests_per_s']:7.2f}")
+    roof, peaks = rows[0]["roofline"], rows[0]["peaks"]
+    if peaks:
+        print(f"roofline: peaks {peaks['memory_bandwidth_gb_per_s']:.1f} GB/s, "
+              f"{peaks['matmul_tflop_per_s'] * 1e3:.1f} GFLOP/s {peaks['dtype']}, ridge "
+              f"{peaks['ridge_flop_per_byte']:.1f} FLOP/byte")
+        for kind in ("decode", "prefill"):
+            r = roof[kind]
+            if r["steps"]:
+                print(f"  {kind:7} {r['steps']:5d} steps {r['model_seconds']:8.2f} s  "
+                      f"{r['achieved_gb_per_s']:7.2f} GB/s (MBU {r['mbu']:.1%})  "
+                      f"{r['achieved_tflop_per_s'] * 1e3:7.1f} GFLOP/s (MFU {r['mfu']:.1%})  "
+                      f"{r['arithmetic_intensity']:.1f} FLOP/byte")
     if "ratio_output_tokens_per_s" in result:
         print(f"ratio ridgeline / hf (output tok/s): {result['ratio_output_tokens_per_s']:.2f}x")
     path = Path(a.output_json)

@@ -11,6 +11,7 @@ in flight are freed when that step returns (the scheduler defers them).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -27,7 +28,9 @@ from app.engine.errors import (
 from app.engine.input_processor import InputProcessor
 from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
+from app.engine.plan import cache_config_info, plan_report
 from app.engine.request import RequestSLO
+from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from app.engine.stats_logger import StatsLogger
 from gpu.worker import StepFailed
@@ -40,15 +43,38 @@ STEP_STALL_SECONDS = 60.0
 DISPATCH_CHUNK = 8
 
 
-class RequestStream:
-    """What a caller iterates: the request's deltas, ending with a finished one."""
+class RequestGroup:
+    """The n sequences a client asked for with one request (the server queues each as
+    its own request): vLLM's `request_params_n` and `request_max_num_generation_tokens`
+    are observed once, when the last of them ends."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str):
+    def __init__(self, n: int):
+        self.n = self.remaining = n
+        self.max_generation_tokens = 0
+
+    def end(self, generated: int) -> bool:
+        """One sequence ended; True when it was the last."""
+        self.max_generation_tokens = max(self.max_generation_tokens, generated)
+        self.remaining -= 1
+        return self.remaining == 0
+
+
+class RequestStream:
+    """What a caller iterates: the request's deltas, ending with a finished one.
+
+    It keeps the caller's context (`contextvars`), so the engine's log lines about the
+    request carry what the caller bound for its logs (the server binds x_request_id)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, max_tokens: int = 0,
+                 group: RequestGroup | None = None):
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._engine = engine
         self.last_token_time: float | None = None
         self.finished = False
+        self.max_tokens = max_tokens
+        self.group = group or RequestGroup(1)
+        self.context = contextvars.copy_context()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -79,9 +105,12 @@ class AsyncEngine:
         self.core = core
         self.inputs = InputProcessor(core.tokenizer, core.max_model_len)
         self.model_name = model_name
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, core.max_model_len)
         self.metrics.block_report = core.block_report
-        self.stats = StatsLogger(log_stats_interval)
+        self.metrics.set_static(cache_config_info(core.config.cache, core.kv_plan, core.dtype),
+                                core.peaks)
+        self.roofline = RooflineTracker(core.peaks)
+        self.stats = StatsLogger(log_stats_interval, core.peaks)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -129,12 +158,26 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def plan(self) -> dict:
+        """The memory plan, the device's peaks, and where steps sit on the roofline:
+        expected (from the arithmetic) and live (from the steps run)."""
+        core, sched = self.core, self.core.config.scheduler
+        report = plan_report(
+            model=self.model_name, model_config=core.model_config, dtype=core.dtype,
+            device=core.peaks.device if core.peaks else core.config.device, plan=core.kv_plan,
+            cost=core.cost, peaks=core.peaks, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens)
+        report["live"] = self.roofline.snapshot()
+        return report
+
     # -- requests -----------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    slo: RequestSLO | None = None) -> RequestStream:
-        """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously."""
+                    slo: RequestSLO | None = None, group: RequestGroup | None = None
+                    ) -> RequestStream:
+        """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously.
+        `group`: the n sequences of one client request this one belongs to (metrics)."""
         if self.dead is not None:
             raise EngineDead(f"engine is not running: {self.dead!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -145,7 +188,7 @@ class AsyncEngine:
         except QueueFull as e:
             self.metrics.admission_rejected(e.reason)
             raise
-        stream = RequestStream(self, rid)
+        stream = RequestStream(self, rid, params.max_tokens, group)
         self._streams[rid] = stream
         self._wakeup.set()
         return stream
@@ -162,13 +205,16 @@ class AsyncEngine:
         out = self.core.abort(request_id)
         if out is None:
             return False
-        self.metrics.request_success.labels(self.model_name, "abort").inc()
-        self.metrics.observe_wasted(out)
-        log.info("request aborted", extra={"request_id": request_id})
+        self.metrics.observe_aborted(out)
         stream = self._streams.pop(request_id, None)
-        if stream is not None and not stream.finished:
-            stream.finished = True
-            stream.queue.put_nowait(out)
+        if stream is None:
+            log.info("request aborted", extra={"request_id": request_id})
+        else:  # in its caller's context, as `request finished`
+            stream.context.run(log.info, "request aborted", extra={"request_id": request_id})
+            self._end_of_sequence(stream, out)
+            if not stream.finished:
+                stream.finished = True
+                stream.queue.put_nowait(out)
         self.metrics.record_step(self.core.idle_stats())  # gauges: the pool just shrank
         return True
 
@@ -236,7 +282,8 @@ class AsyncEngine:
         return step, asyncio.wrap_future(self.core.submit(step.batch))
 
     def _record(self, stats: StepStats) -> None:
-        self.metrics.record_step(stats)
+        position = self.roofline.record(stats)
+        self.metrics.record_step(stats, position)
         self.stats.record(stats)
 
     async def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -259,30 +306,30 @@ class AsyncEngine:
                 stream.last_token_time = now
                 if out.finished:
                     del self._streams[out.request_id]
-                    self._observe_finished(out)
+                    self._observe_finished(stream, out)
                 stream.queue.put_nowait(out)
 
-    def _observe_finished(self, out: RequestOutput) -> None:
+    def _observe_finished(self, stream: RequestStream, out: RequestOutput) -> None:
         m = out.metrics
+        self._end_of_sequence(stream, out)
         if out.finish_reason == "shed":  # never started: an admission decision, not a result
             self.metrics.admission_rejected("shed")
             return
         if m is None or m.finished_time is None:
             return
-        if out.finish_reason == "error":
-            self.metrics.observe_wasted(out)
-        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
-        prefill = (None if m.first_token_time is None or m.first_scheduled_time is None
-                   else m.first_token_time - m.first_scheduled_time)
-        decode = None if m.first_token_time is None else m.finished_time - m.first_token_time
-        self.metrics.observe_finished(out.finish_reason or "stop", m.e2e, queue, prefill, decode)
-        log.info(
-            "request finished",
+        self.metrics.observe_finished(out, stream.max_tokens)
+        # In the caller's context: the line carries what the server bound (x_request_id).
+        stream.context.run(
+            log.info, "request finished",
             extra={"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
                    "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
                    "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
                    "preemptions": m.num_preemptions},
         )
+
+    def _end_of_sequence(self, stream: RequestStream, out: RequestOutput) -> None:
+        if stream.group.end(len(out.token_ids)):
+            self.metrics.observe_group(stream.group.n, stream.group.max_generation_tokens)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._streams):

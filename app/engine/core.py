@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from typing import NamedTuple
 
-from app.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from app.config import EngineConfig
 from app.engine.admission import AdmissionController
 from app.engine.errors import InvalidParameter
 from app.engine.grammar import GrammarService
@@ -28,11 +28,13 @@ from app.engine.kv_blocks import BlockManager
 from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
+from app.engine.plan import resolve_max_model_len
 from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
+from gpu.roofline import StepCost
 from gpu.runner import RunnerSpec, choose_dtype, resolve_device
 from gpu.worker import StepFailed, Worker
 from models.config import ModelConfig
@@ -76,7 +78,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.generation_defaults = load_generation_defaults(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir, config.chat_template)
-        self.max_model_len = self._resolve_max_model_len(config)
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         log.info("Model %s: %s; dtype %s (%s); context: the model allows %s, serving "
                  "max_model_len=%d", self.model_dir, self.model_config.describe(), dtype_name,
                  dtype_why, self.model_config.context_note, self.max_model_len)
@@ -88,6 +90,7 @@ class EngineCore:
                                                     model_dir=str(self.model_dir)))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan
+        self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
         self.dtype = str(runner.dtype).removeprefix("torch.")
         cache = self.config.cache
         self.blocks = BlockManager(self.kv_plan.num_blocks, cache.block_size,
@@ -114,17 +117,6 @@ class EngineCore:
         """Send what the last step (or a reset) changed in the prefix cache."""
         if self.kv_events is not None:
             self.kv_events.publish(self.blocks.events.take())
-
-    def _resolve_max_model_len(self, config: EngineConfig) -> int:
-        model_max = self.model_config.max_context_len
-        if config.max_model_len is None:
-            return min(model_max, DEFAULT_MAX_MODEL_LEN)
-        if config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds what the model allows: "
-                f"{self.model_config.context_note}"
-            )
-        return config.max_model_len
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
@@ -310,7 +302,7 @@ class EngineCore:
                 self.scheduler.finish(req, status)
             outputs.append(self.outputs.emit(req, delta, [token]))
         self.publish_kv_events()
-        return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out))
+        return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out, result.cost))
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> StepOutputs:
         """The model thread could not run this step (but can run the next): every request
@@ -325,10 +317,14 @@ class EngineCore:
         return self.outputs.emit(req, "", [], error=message)
 
     def _stats(self, prompt_tokens: int, generation_tokens: int,
-               out: SchedulerOutput) -> StepStats:
+               out: SchedulerOutput, cost: StepCost | None = None) -> StepStats:
         s = self.scheduler
+        work = {} if cost is None else dict(model_seconds=cost.seconds, flops=cost.flops,
+                                            bytes_read=cost.bytes_read,
+                                            bytes_written=cost.bytes_written)
         return StepStats(prompt_tokens, generation_tokens, len(out.preempted), len(s.running),
-                         len(s.waiting), self.blocks.usage, out.prefix_queried, out.prefix_hit)
+                         len(s.waiting), self.blocks.usage, out.prefix_queried, out.prefix_hit,
+                         **work)
 
     def idle_stats(self) -> StepStats:
         """The state between steps (after aborts, or with nothing to run)."""

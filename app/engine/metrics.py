@@ -1,7 +1,13 @@
-"""Prometheus metrics with vLLM's meanings under a `ridgeline:` prefix.
+"""Prometheus metrics with vLLM's names, types, buckets and labels under a `ridgeline:` prefix.
 
-Dashboards built for vLLM port by swapping the prefix. Each engine owns its
-registry (tests run several servers in one process).
+vLLM's dashboards port by swapping the prefix: every family vLLM's Grafana dashboard
+queries is here with vLLM's meaning (`vllm/v1/metrics/loggers.py`, 0.33), labelled
+`model_name` and `engine` ("0": one engine per process), plus two vLLM has retired but
+older dashboards still query (`gpu_cache_usage_perc`, `time_per_output_token_seconds`).
+Ridgeline's own families (event-loop lag, time outside the model, the block pool's
+invariant, the roofline) follow. Each engine owns its registry (tests run several
+servers in one process). Label children are resolved once: `.labels()` per token
+would cost a dict lookup and a lock.
 """
 
 from __future__ import annotations
@@ -11,119 +17,201 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from app.engine.outputs import RequestOutput, StepStats
+from app.engine.roofline import StepPosition
+from gpu.roofline import DevicePeaks
 
 P = "ridgeline:"
+ENGINE = "0"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ADMISSION_REASONS = ("queue_full", "deadline", "shed")
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0)
+# vLLM's bucket families (vllm/v1/metrics/buckets.py).
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# Ridgeline's own.
+LAG_BUCKETS = TTFT_BUCKETS[:19]  # 1 ms .. 80 s: a timer's lateness
+UTILISATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0)
+INTENSITY_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192 FLOPs per byte
+
+
+def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 series up to max_model_len: 1, 2, 5, 10, 20, 50, ..."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-        self.num_requests_running = Gauge(P + "num_requests_running",
-                                          "Requests in the running batch", labels, registry=r)
-        self.num_requests_waiting = Gauge(P + "num_requests_waiting",
-                                          "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_cache_usage_perc = Gauge(P + "kv_cache_usage_perc",
-                                         "KV-cache usage, 1 means 100 percent", labels,
-                                         registry=r)
-        self.num_preemptions = Counter(P + "num_preemptions", "Cumulative preemptions", labels,
-                                       registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed", labels,
-                                     registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", labels,
-                                         registry=r)
+    def __init__(self, model_name: str, max_model_len: int = 4096):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self.model = model_name
+        key = (model_name, ENGINE)
+
+        def gauge(name: str, doc: str):
+            return Gauge(P + name, doc, labels, registry=r).labels(*key)
+
+        def counter(name: str, doc: str):
+            return Counter(P + name, doc, labels, registry=r).labels(*key)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=r).labels(*key)
+
+        tokens = request_tokens_buckets(max_model_len)
+        # -- vLLM's: scheduler state and the pool
+        self._running = gauge("num_requests_running", "Requests in the running batch")
+        self._waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self._kv = gauge("kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent")
+        self._kv_old = gauge("gpu_cache_usage_perc", "KV-cache usage, 1 means 100 percent "
+                             "(vLLM's name before 0.9, for older dashboards)")
+        self._preempt = counter("num_preemptions", "Cumulative preemptions")
+        self._prefix_queries = counter("prefix_cache_queries", "Prefix cache lookups, in tokens")
+        self._prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens")
+        # -- vLLM's: tokens, per step and per request
+        self._prompt = counter("prompt_tokens", "Prefill tokens processed")
+        self._gen = counter("generation_tokens", "Generated tokens")
+        self._iteration = histogram("iteration_tokens_total", "Tokens per engine step "
+                                    "(computed prompt tokens + generated)",
+                                    ITERATION_TOKENS_BUCKETS)
         self.request_success = Counter(P + "request_success", "Finished requests",
                                        labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Inter-token latency", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency",
-                             labels, buckets=_REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time waiting to start",
-                                    labels, buckets=_REQUEST_BUCKETS, registry=r)
-        self.prefill_time = Histogram(P + "request_prefill_time_seconds",
-                                      "First scheduled to first token", labels,
-                                      buckets=_REQUEST_BUCKETS, registry=r)
-        self.decode_time = Histogram(P + "request_decode_time_seconds",
-                                     "First token to finish", labels, buckets=_REQUEST_BUCKETS,
-                                     registry=r)
-        self.prefix_cache_queries = Counter(P + "prefix_cache_queries",
-                                            "Prefix cache lookups, in tokens", labels,
-                                            registry=r)
-        self.prefix_cache_hits = Counter(P + "prefix_cache_hits",
-                                         "Prefix cache hits, in tokens", labels, registry=r)
+        self._req_prompt = histogram("request_prompt_tokens", "Prompt tokens per finished "
+                                     "request", tokens)
+        self._req_gen = histogram("request_generation_tokens", "Generated tokens per finished "
+                                  "request", tokens)
+        self._req_max_gen = histogram("request_max_num_generation_tokens", "Most tokens "
+                                      "generated by one of a request's n sequences", tokens)
+        self._req_n = histogram("request_params_n", "The n request parameter",
+                                PARAMS_N_BUCKETS)
+        self._req_max_tokens = histogram("request_params_max_tokens", "The max_tokens request "
+                                         "parameter", tokens)
+        self._req_preempt = histogram("request_num_preemptions", "Preemptions per finished "
+                                      "request", PREEMPTIONS_BUCKETS)
+        # -- vLLM's: latencies
+        self._ttft = histogram("time_to_first_token_seconds", "Time to first token",
+                               TTFT_BUCKETS)
+        self._itl = histogram("inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS)
+        self._tpot_old = histogram("time_per_output_token_seconds", "Inter-token latency "
+                                   "(vLLM's name before 0.13, for older dashboards)",
+                                   ITL_BUCKETS)
+        self._req_tpot = histogram("request_time_per_output_token_seconds", "Per finished "
+                                   "request: decode time / (generated tokens - 1)", ITL_BUCKETS)
+        self._e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency",
+                              REQUEST_LATENCY_BUCKETS)
+        self._phases = tuple(histogram(name, doc, REQUEST_LATENCY_BUCKETS) for name, doc in (
+            ("request_queue_time_seconds", "Arrival to first scheduled (waiting)"),
+            ("request_prefill_time_seconds", "First scheduled to first token"),
+            ("request_decode_time_seconds", "First token to last token"),
+            ("request_inference_time_seconds", "First scheduled to last token (running)")))
         # vLLM's name; reasons: queue_full, deadline (refused at arrival: it could not
         # start in time), shed (taken out of the queue unstarted when its deadline passed).
         self.admission_rejections = Counter(P + "admission_rejections",
                                             "Requests refused before they started",
-                                            labels + ["reason"], registry=r)
-        # Ridgeline's own: prefill spent on requests that ended with no answer (the client
-        # left, or the request failed) — what admission by deadline exists to avoid.
-        self.wasted_prefill_tokens = Counter(P + "wasted_prefill_tokens",
-                                             "Prefill tokens of requests aborted or failed",
-                                             labels, registry=r)
-        # Ridgeline's own: the block pool's O(1) invariant, read at every scrape. A leak
-        # shows as kv_blocks_consistent 0 long before the pool runs dry.
+                                            ["model_name", "reason"], registry=r)
+        for reason in FINISH_REASONS:  # pre-created at 0, as vLLM does: dashboards see them
+            self.request_success.labels(model_name, ENGINE, reason)
+        for reason in ADMISSION_REASONS:
+            self.admission_rejections.labels(model_name, reason)
+        self.cache_config_info: Gauge | None = None  # labels known at start: set_static
+        # -- vLLM's --enable-mfu-metrics counters, always on: they cost three additions.
+        self._est_flops = counter("estimated_flops_per_gpu_total", "FLOPs of the steps, "
+                                  "from their shapes (gpu/roofline.py)")
+        self._est_read = counter("estimated_read_bytes_per_gpu_total", "Bytes the steps read "
+                                 "(weights, KV), from their shapes")
+        self._est_write = counter("estimated_write_bytes_per_gpu_total", "Bytes the steps "
+                                  "wrote (KV), from their shapes")
+        # -- Ridgeline's own
+        # Prefill spent on requests that ended with no answer (the client left, or the
+        # request failed): what admission by deadline exists to avoid.
+        self._wasted = counter("wasted_prefill_tokens", "Prefill tokens of requests aborted "
+                               "or failed")
+        # The block pool's O(1) invariant, read at every scrape. A leak shows as
+        # kv_blocks_consistent 0 long before the pool runs dry.
         self.kv_blocks = Gauge(P + "kv_blocks", "KV blocks by state (free, cached, used)",
                                labels + ["state"], registry=r)
-        self.kv_blocks_consistent = Gauge(P + "kv_blocks_consistent",
-                                          "1 while free + cached + used == total and every "
-                                          "block table has an owner", labels, registry=r)
+        self._consistent = gauge("kv_blocks_consistent", "1 while free + cached + used == "
+                                 "total and every block table has an owner")
         self.block_report: Callable[[], dict] | None = None
-        # Ridgeline's own: how well the event loop keeps up (server overhead).
-        self.event_loop_lag = Histogram(P + "event_loop_lag_seconds",
-                                        "Lateness of a 10 ms timer on the event loop", labels,
-                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_overhead = Counter(P + "step_overhead_seconds",
-                                     "Engine-step time outside the model forward", labels,
-                                     registry=r)
-        self.model = model_name
-        # Label children resolved once: `.labels()` per token would cost a dict lookup and a lock.
-        m = model_name
-        self._running = self.num_requests_running.labels(m)
-        self._waiting = self.num_requests_waiting.labels(m)
-        self._kv = self.kv_cache_usage_perc.labels(m)
-        self._preempt = self.num_preemptions.labels(m)
-        self._prompt = self.prompt_tokens.labels(m)
-        self._gen = self.generation_tokens.labels(m)
-        self._ttft = self.ttft.labels(m)
-        self._itl = self.itl.labels(m)
-        self._e2e = self.e2e.labels(m)
-        self._phases = (self.queue_time.labels(m), self.prefill_time.labels(m),
-                        self.decode_time.labels(m))
-        self.lag = self.event_loop_lag.labels(m)
-        self._wasted = self.wasted_prefill_tokens.labels(m)
-        self._prefix_queries = self.prefix_cache_queries.labels(m)
-        self._prefix_hits = self.prefix_cache_hits.labels(m)
-        self.overhead = self.step_overhead.labels(m)
+        # How well the event loop keeps up (server overhead).
+        self.lag = histogram("event_loop_lag_seconds", "Lateness of a 10 ms timer on the "
+                             "event loop", LAG_BUCKETS)
+        self.overhead = counter("step_overhead_seconds", "Engine-step time outside the model "
+                                "forward")
+        # The roofline (app/engine/roofline.py): the device's measured roofs, the model
+        # thread's busy time, and each step against the roofs.
+        self._peak_bw = gauge("device_peak_bandwidth_bytes_per_second", "Copy bandwidth "
+                              "measured at start (bytes read + written per second)")
+        self._peak_flops = gauge("device_peak_flops_per_second", "Matmul throughput in the "
+                                 "served dtype, measured at start")
+        self._model_seconds = counter("model_step_seconds", "Time the model thread spent "
+                                      "running steps")
+        self._decode_mbu = histogram("decode_mbu", "Per decode step: memory-bandwidth "
+                                     "utilisation (bytes moved / time / peak bandwidth)",
+                                     UTILISATION_BUCKETS)
+        self._prefill_mfu = histogram("prefill_mfu", "Per step with prefill: compute "
+                                      "utilisation (FLOPs / time / peak FLOP/s)",
+                                      UTILISATION_BUCKETS)
+        self._intensity = histogram("step_arithmetic_intensity", "Per step: FLOPs per byte "
+                                    "moved (the ridge is peak FLOP/s / peak bytes/s)",
+                                    INTENSITY_BUCKETS)
+
+    def set_static(self, cache_info: dict[str, str], peaks: DevicePeaks | None) -> None:
+        """What is known once the engine has started: the cache's shape, the peaks."""
+        info = {"engine": ENGINE, **cache_info}
+        if self.cache_config_info is not None:
+            self.registry.unregister(self.cache_config_info)
+        self.cache_config_info = Gauge(P + "cache_config_info", "The KV cache's configuration "
+                                       "(labels; the value is 1)", list(info),
+                                       registry=self.registry)
+        self.cache_config_info.labels(**info).set(1)
+        if peaks is not None:
+            self._peak_bw.set(peaks.bandwidth)
+            self._peak_flops.set(peaks.flops)
 
     def render(self) -> bytes:
         if self.block_report is not None:
             report = self.block_report()
             for kv_state in ("free", "cached", "used"):
-                self.kv_blocks.labels(self.model, kv_state).set(report[kv_state])
-            self.kv_blocks_consistent.labels(self.model).set(int(report["consistent"]))
+                self.kv_blocks.labels(self.model, ENGINE, kv_state).set(report[kv_state])
+            self._consistent.set(int(report["consistent"]))
         return generate_latest(self.registry)
 
-    def record_step(self, stats: StepStats) -> None:
+    def record_step(self, stats: StepStats, pos: StepPosition | None = None) -> None:
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._kv.set(stats.kv_cache_usage)
+        self._kv_old.set(stats.kv_cache_usage)
         if stats.prompt_tokens:
             self._prompt.inc(stats.prompt_tokens)
         if stats.generation_tokens:
             self._gen.inc(stats.generation_tokens)
+        if stats.prompt_tokens or stats.generation_tokens:
+            self._iteration.observe(stats.prompt_tokens + stats.generation_tokens)
         if stats.preemptions:
             self._preempt.inc(stats.preemptions)
         if stats.prefix_cache_queries:
             self._prefix_queries.inc(stats.prefix_cache_queries)
             self._prefix_hits.inc(stats.prefix_cache_hits)
+        if stats.model_seconds > 0:
+            self._model_seconds.inc(stats.model_seconds)
+            self._est_flops.inc(stats.flops)
+            self._est_read.inc(stats.bytes_read)
+            self._est_write.inc(stats.bytes_written)
+        if pos is not None:
+            (self._prefill_mfu.observe(pos.mfu) if pos.prefill
+             else self._decode_mbu.observe(pos.mbu))
+            self._intensity.observe(pos.intensity)
 
     def admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self.model, reason).inc()
@@ -137,11 +225,37 @@ class Metrics:
 
     def observe_itl(self, seconds: float) -> None:
         self._itl.observe(seconds)
+        self._tpot_old.observe(seconds)
 
-    def observe_finished(self, reason: str, e2e: float, queue: float | None,
-                         prefill: float | None, decode: float | None) -> None:
-        self.request_success.labels(self.model, reason).inc()
-        self._e2e.observe(e2e)
-        for hist, value in zip(self._phases, (queue, prefill, decode)):
+    def observe_aborted(self, out: RequestOutput) -> None:
+        self.request_success.labels(self.model, ENGINE, "abort").inc()
+        self.observe_wasted(out)
+
+    def observe_finished(self, out: RequestOutput, max_tokens: int) -> None:
+        """A request that finished (not shed, not aborted): vLLM's per-request families."""
+        m = out.metrics
+        self.request_success.labels(self.model, ENGINE, out.finish_reason or "stop").inc()
+        if out.finish_reason == "error":
+            self.observe_wasted(out)
+        generated = len(out.token_ids)
+        self._req_prompt.observe(len(out.prompt_token_ids))
+        self._req_gen.observe(generated)
+        if max_tokens:
+            self._req_max_tokens.observe(max_tokens)
+        self._req_preempt.observe(m.num_preemptions)
+        self._e2e.observe(m.e2e)
+        scheduled, first, done = m.first_scheduled_time, m.first_token_time, m.finished_time
+        phases = (None if scheduled is None else scheduled - m.arrival_time,
+                  None if first is None or scheduled is None else first - scheduled,
+                  None if first is None else done - first,
+                  None if scheduled is None else done - scheduled)
+        for hist, value in zip(self._phases, phases):
             if value is not None:
                 hist.observe(value)
+        decode = phases[2]
+        self._req_tpot.observe(decode / (generated - 1) if decode and generated > 1 else 0.0)
+
+    def observe_group(self, n: int, max_generation_tokens: int) -> None:
+        """A request's n sequences have all ended (vLLM observes the parent request)."""
+        self._req_n.observe(n)
+        self._req_max_gen.observe(max_generation_tokens)

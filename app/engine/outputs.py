@@ -59,6 +59,12 @@ class StepStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0  # tokens of requests started this step, looked up
     prefix_cache_hits: int = 0  # ... found in the prefix cache
+    # Where the step sat on the roofline (gpu/roofline.py): its work from the batch's
+    # shape and the model thread's time for it; 0 for steps that did not run.
+    model_seconds: float = 0.0
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
 
 
 @dataclass

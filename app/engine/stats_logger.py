@@ -1,7 +1,10 @@
-"""The periodic stats line operators grep for, in vLLM's words.
+"""The periodic stats line operators grep for, in vLLM's words, and the roofline in ours.
 
 `Preemptions: N` appears only when N > 0 in the interval, so a quiet log means
-a pool that is big enough.
+a pool that is big enough. With the device's peaks known, the line ends with where
+the interval's steps sat on the roofline: decode MBU and prefill MFU (time-weighted
+over the interval's steps of each kind) and their arithmetic intensity against the
+ridge.
 """
 
 from __future__ import annotations
@@ -10,15 +13,22 @@ import logging
 import time
 
 from app.engine.outputs import StepStats
+from app.engine.roofline import PhaseTotals, is_prefill
+from gpu.roofline import DevicePeaks
 
 log = logging.getLogger("ridgeline.stats")
 
 
 class StatsLogger:
-    def __init__(self, interval: float):
+    def __init__(self, interval: float, peaks: DevicePeaks | None = None):
         self.interval = interval
+        self.peaks = peaks
         self._last = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
         self._prompt = self._gen = self._preempt = self._queries = self._hits = 0
+        self._decode, self._prefill = PhaseTotals(), PhaseTotals()
 
     def record(self, stats: StepStats, force: bool = False) -> str | None:
         """Add one step's counts; log the line when the interval has passed."""
@@ -27,6 +37,8 @@ class StatsLogger:
         self._preempt += stats.preemptions
         self._queries += stats.prefix_cache_queries
         self._hits += stats.prefix_cache_hits
+        if stats.model_seconds > 0:
+            (self._prefill if is_prefill(stats) else self._decode).add(stats)
         now = time.monotonic()
         elapsed = now - self._last
         if not force and (self.interval <= 0 or elapsed < self.interval):
@@ -34,8 +46,10 @@ class StatsLogger:
         hit_rate = self._hits / self._queries if self._queries else None
         line = format_stats(self._prompt / elapsed, self._gen / elapsed, stats.num_running,
                             stats.num_waiting, self._preempt, stats.kv_cache_usage, hit_rate)
+        if self.peaks is not None:
+            line += format_roofline(self._decode, self._prefill, self.peaks)
         self._last = now
-        self._prompt = self._gen = self._preempt = self._queries = self._hits = 0
+        self._reset()
         log.info(line)
         return line
 
@@ -54,3 +68,21 @@ def format_stats(prompt_tps: float, gen_tps: float, running: int, waiting: int,
     if prefix_hit_rate is not None:  # vLLM's words; shown when requests started
         parts.append(f"Prefix cache hit rate: {prefix_hit_rate * 100:.1f}%")
     return ", ".join(parts)
+
+
+def format_roofline(decode: PhaseTotals, prefill: PhaseTotals, peaks: DevicePeaks) -> str:
+    """`, Decode MBU: 21.2% (at 8.4 FLOP/B), Prefill MFU: 66.6% (at 251.0 FLOP/B), ridge
+    13.0 FLOP/B`. Decode beyond the ridge (compute-bound: batch 64 on a CPU) shows its MFU
+    too, and prefill below it its MBU; a kind of step the interval did not run is left out."""
+    parts = []
+    if decode.steps:
+        ai = decode.intensity() or 0.0
+        other = f"MFU {decode.mfu(peaks) * 100:.1f}% " if ai >= peaks.ridge else ""
+        parts.append(f"Decode MBU: {decode.mbu(peaks) * 100:.1f}% ({other}at {ai:.1f} FLOP/B)")
+    if prefill.steps:
+        ai = prefill.intensity() or 0.0
+        other = f"MBU {prefill.mbu(peaks) * 100:.1f}% " if ai < peaks.ridge else ""
+        parts.append(f"Prefill MFU: {prefill.mfu(peaks) * 100:.1f}% ({other}at {ai:.1f} FLOP/B)")
+    if not parts:
+        return ""
+    return ", " + ", ".join(parts) + f", ridge {peaks.ridge:.1f} FLOP/B"

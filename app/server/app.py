@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from app.engine.core import EngineCore
 from app.server import native, openai
 from app.server.errors import APIError, api_error
 from app.server.http_protocol import with_header_timeout
+from app.server.request_id import HEADER, RequestIdMiddleware
 from app.server.state import State, state
 from app.server.streaming import ClientDisconnected
 
@@ -128,7 +130,11 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     """The last resort: a bug outside a route's own handling is still a JSON 500."""
     log.error("unexpected error", exc_info=exc, extra={"path": request.url.path})
-    return _error(APIError(500, f"internal error: {type(exc).__name__}", None, "server_error"))
+    response = _error(APIError(500, f"internal error: {type(exc).__name__}", None,
+                               "server_error"))
+    if "request_id" in request.scope.get("state", {}):  # answered outside the middleware
+        response.headers[HEADER] = request.scope["state"]["request_id"]
+    return response
 
 
 async def health(request: Request) -> Response:
@@ -157,6 +163,12 @@ async def reset_prefix_cache(request: Request, body: None) -> JSONResponse:
     return JSONResponse({"dropped_blocks": state(request).engine.core.reset_prefix_cache()})
 
 
+async def plan(request: Request, body: None) -> JSONResponse:
+    """The memory plan, the device's measured peaks and the live roofline position
+    (`app/engine/plan.py`); `ridgeline plan` prints the same for a model not served."""
+    return JSONResponse(state(request).engine.plan())
+
+
 async def metrics(request: Request) -> Response:
     engine = state(request).engine
     data = engine.metrics.render() if engine else b""
@@ -179,6 +191,7 @@ ROUTES = [
     Route("/abort_request", endpoint(native.abort_request), methods=["POST"]),
     Route("/reset_prefix_cache", endpoint(reset_prefix_cache, needs_body=False),
           methods=["POST"]),
+    Route("/plan", endpoint(plan, needs_body=False), methods=["GET"]),
 ]
 
 
@@ -196,6 +209,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             await st.engine.stop()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
+                    middleware=[Middleware(RequestIdMiddleware)],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
     return app

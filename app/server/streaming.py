@@ -18,7 +18,7 @@ from dataclasses import replace
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from app.engine.async_engine import RequestStream
+from app.engine.async_engine import RequestGroup, RequestStream
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.server.deadlines import request_slo
@@ -44,13 +44,14 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
+            group = RequestGroup(n)  # vLLM's parent request: its n sequences, for metrics
             for j in range(n):
                 index = i * n + j
                 child = params if n == 1 else replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
                 rid = None if request_id is None else (
                     request_id if index == 0 else f"{request_id}-{index}")
-                streams.append(engine.add_request(ids, child, rid, priority, slo))
+                streams.append(engine.add_request(ids, child, rid, priority, slo, group))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)

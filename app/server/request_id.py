@@ -1,0 +1,53 @@
+"""`x-request-id`: every response carries one, and the request's log lines carry it too.
+
+A client (or a proxy, or vllm-router) that sends `x-request-id` gets its own id back, so
+it can find its request in our logs; anyone else gets a fresh one. The id is bound into
+structlog's context variables for the request's task (`x_request_id`), so every line
+logged while serving it — by the route, and by the engine loop, which logs a request's
+end in the context its caller queued it from — names it. An id that is too long or has
+characters outside a conservative set is replaced, not refused: the header is
+bookkeeping, and logs must not carry what a client injects.
+
+Pure ASGI rather than Starlette's BaseHTTPMiddleware: that one runs the route in a
+separate task and buffers nothing well for SSE streams.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import structlog
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = "x-request-id"
+MAX_LEN = 128
+_SANE = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_LEN}}}")
+
+
+def choose_request_id(given: str | None) -> str:
+    """The client's id when it is sane, else a fresh one."""
+    if given is not None and _SANE.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = choose_request_id(Headers(scope=scope).get(HEADER))
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[HEADER] = request_id
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(x_request_id=request_id):
+            await self.app(scope, receive, send_with_id)

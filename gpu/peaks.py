@@ -1,0 +1,99 @@
+"""The device's two roofs, measured once at start: copy bandwidth and matmul throughput.
+
+Spec sheets give peaks no kernel reaches, and on a CPU (or a shared VM) nobody knows
+them; a measurement takes a few hundred milliseconds and is what the roofline of
+`gpu/roofline.py` is drawn against. Both are best-of-a-few figures in the conditions
+the model runs in (its dtype, its torch threads):
+
+- bandwidth: a device-to-device copy of a buffer at least as large as the weights
+  (bounded; on CPU at least 256 MiB, beyond most caches), counting the bytes read and
+  the bytes written, as a step's weight and KV traffic is counted;
+- matmul: a square matmul in the served dtype through `F.linear`, the model's own
+  path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau).
+
+Measured once per process and device: the engines of one process (tests) share it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpu.roofline import DevicePeaks
+
+log = logging.getLogger("ridgeline.peaks")
+
+MiB = 1 << 20
+_MEASURED: dict[tuple, DevicePeaks] = {}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(device: torch.device, fn: Callable[[], object], min_iters: int = 2,
+                  budget_s: float = 0.1) -> float:
+    """The fastest of a few timed calls after one warm-up (noise only ever slows a call)."""
+    fn()
+    _sync(device)
+    best, spent, iters = float("inf"), 0.0, 0
+    while iters < min_iters or (spent < budget_s and iters < 20):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent, iters = min(best, dt), spent + dt, iters + 1
+    return best
+
+
+def copy_buffer_bytes(device: torch.device, weights_bytes: int) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(max(64 * MiB, min(1024 * MiB, weights_bytes, free // 8)))
+    return int(min(1024 * MiB, max(256 * MiB, weights_bytes)))
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int = 0
+                  ) -> DevicePeaks:
+    """Measure (or recall) the device's copy bandwidth and matmul throughput."""
+    key = (str(device), dtype, torch.get_num_threads())
+    if key in _MEASURED:
+        return _MEASURED[key]
+    t_start = time.perf_counter()
+    n = copy_buffer_bytes(device, weights_bytes)
+    copy_s = _copy_seconds(device, n)
+    m = 8192 if device.type == "cuda" else 1024
+    mm_s = _matmul_seconds(device, dtype, m)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    name = str(dtype).removeprefix("torch.")
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    peaks = DevicePeaks(
+        bandwidth=2 * n / copy_s, flops=2 * m**3 / mm_s, device=_describe(device), dtype=name,
+        how=f"measured in {time.perf_counter() - t_start:.2f} s: a {n // MiB} MiB copy, "
+            f"a {m}x{m}x{m} {name} matmul{threads}")
+    _MEASURED[key] = peaks
+    return peaks
+
+
+def _copy_seconds(device: torch.device, n: int) -> float:
+    src = torch.ones(n, dtype=torch.uint8, device=device)  # touched: no zero-page reads
+    dst = torch.zeros_like(src)
+    return _best_seconds(device, lambda: dst.copy_(src))
+
+
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, m: int) -> float:
+    x = torch.randn(m, m, device=device, dtype=dtype)
+    w = torch.randn(m, m, device=device, dtype=dtype)
+    return _best_seconds(device, lambda: F.linear(x, w))
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
