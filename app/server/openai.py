@@ -102,7 +102,10 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                 first = i not in seen
                 seen.add(i)
                 text, entries = echoed(i, out, first)
-                if text or out.finished or req.logprobs is not None:
+                # One event per step that made tokens, even when their text is held back
+                # (a partial UTF-8 character, a possible stop string), as vLLM does:
+                # clients time inter-token latency by events.
+                if text or out.delta_token_ids or out.finished or req.logprobs is not None:
                     lp = None
                     if req.logprobs is not None:
                         lp = completion_logprobs(tok, entries, offset[i])
@@ -175,8 +178,11 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
                     text, calls = parsers[i].feed(text)
                     if out.finished:
                         text += parsers[i].finish()
-                if text or calls or out.finished or req.logprobs:
-                    delta: dict = {"content": text} if text else {}
+                # As for completions, one event per step that made tokens; a tool parser
+                # holds text back on purpose, and then only what it lets out is sent.
+                tokens = parsers[i] is None and bool(out.delta_token_ids)
+                if text or calls or tokens or out.finished or req.logprobs:
+                    delta: dict = {"content": text} if text or tokens else {}
                     if calls:
                         delta["tool_calls"] = calls
                     lp = (chat_logprobs(tok, output_entries(out, delta_only=True))
