@@ -5,9 +5,9 @@ them; a measurement takes a few hundred milliseconds and is what the roofline of
 `gpu/roofline.py` is drawn against. Both are best-of-a-few figures in the conditions
 the model runs in (its dtype, its torch threads):
 
-- bandwidth: a device-to-device copy of a buffer at least as large as the weights
-  (bounded; on CPU at least 256 MiB, beyond most caches), counting the bytes read and
-  the bytes written, as a step's weight and KV traffic is counted;
+- bandwidth: a device-to-device copy of a buffer as large as the weights (bounded; on
+  CPU 256 MiB, far beyond its caches: a larger one only adds page faults to the start),
+  counting the bytes read and the bytes written, as a step's traffic is counted;
 - matmul: a square matmul in the served dtype through `F.linear`, the model's own
   path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau).
 
@@ -55,7 +55,7 @@ def copy_buffer_bytes(device: torch.device, weights_bytes: int) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(max(64 * MiB, min(1024 * MiB, weights_bytes, free // 8)))
-    return int(min(1024 * MiB, max(256 * MiB, weights_bytes)))
+    return 256 * MiB
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int = 0

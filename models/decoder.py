@@ -145,7 +145,11 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.ops = ops or DecoderOps()
         max_positions = max_positions or cfg.max_context_len
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, the embedding skips its random init: on the meta device that
+        # init runs through torch's reference ops, which import the compiler (~2 s of
+        # every start); the weights are loaded over it anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         # A window no shorter than the longest sequence never hides a key: drop it.
         windows = [w if w is not None and w < max_positions else None
                    for w in cfg.sliding_windows]

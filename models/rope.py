@@ -115,11 +115,15 @@ class Rotary(nn.Module):
     def __init__(self, scaling: dict[str, Any] | None, *, theta: float, rotary_dim: int,
                  max_position_embeddings: int, max_positions: int):
         super().__init__()
-        inv_freq, attention_factor = rope_parameters(
-            scaling, theta=theta, dim=rotary_dim, max_position_embeddings=max_position_embeddings
-        )
-        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # Computed on the CPU whatever device is current, and moved by the caller: on the
+        # meta device these ops run through torch's reference ops, which import the
+        # compiler (~2 s of every start).
+        with torch.device("cpu"):
+            inv_freq, attention_factor = rope_parameters(
+                scaling, theta=theta, dim=rotary_dim,
+                max_position_embeddings=max_position_embeddings)
+            freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 

@@ -181,6 +181,30 @@ def test_chat_template_override_inline_or_from_a_file(smollm2_dir, tmp_path):
         apply_chat_template(own, chat)
 
 
+def test_tokenizer_by_its_named_class_equals_autotokenizer(smollm2_dir, tmp_path):
+    """The server loads the class tokenizer_config.json names (AutoTokenizer would first
+    import the modeling stack): the same tokenizer, ids, specials and template; without
+    a tokenizer.json (a slow tokenizer), or naming an unknown class, AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from models.tokenizer import _named_class
+
+    ours, auto = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
+    chat = [{"role": "user", "content": "Héllo <|im_end|> 日本 🦙"}]
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    assert apply_chat_template(ours, chat) == apply_chat_template(auto, chat)
+    assert ours("a <|im_start|>b").input_ids == auto("a <|im_start|>b").input_ids
+    assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
+    for name, config in (("slow", {"tokenizer_class": "LlamaTokenizer"}),
+                         ("unknown", {"tokenizer_class": "NoSuchTokenizer"})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+        if name == "unknown":
+            shutil.copy(smollm2_dir / "tokenizer.json", d / "tokenizer.json")
+        assert _named_class(d) is None
+
+
 def test_chat_template_flag_reaches_the_engine_config():
     a = build_parser().parse_args(["serve", "--chat-template", "t.jinja"])
     assert engine_config_from_args(a).chat_template == "t.jinja"
