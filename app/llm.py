@@ -15,7 +15,8 @@ from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from models.tokenizer import apply_chat_template
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -50,8 +51,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt through the scheduler; outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, as text or as token ids
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text, token ids or a prompt dict
         n = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -99,9 +100,18 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError("a prompt dict holds exactly one of 'prompt' (text) or "
+                                 f"'prompt_token_ids'; got keys {sorted(prompt)}")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("token ids must be ints")
+        return ids
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -220,8 +220,25 @@ def test_bad_prompts_leave_nothing_behind(tiny_dir):
     # A valid prompt next to a bad one: nothing is queued.
     with pytest.raises(InvalidParameter):
         llm.generate([[5, 6], []], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate([{"prompt": "a", "prompt_token_ids": [5]}], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="must be ints"):
+        llm.generate([{"prompt_token_ids": ["5"]}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_work and llm.engine.num_unfinished == 0
     llm.engine.check_invariants()
+    llm.shutdown()
+
+
+def test_vllm_prompt_dicts(tiny_dir):
+    """vLLM's TextPrompt and TokensPrompt dicts work as text and token ids do."""
+    llm = make_llm(tiny_dir)
+    ids = llm.tokenizer.encode("Hello there")
+    outs = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}, ids],
+                        GREEDY, use_tqdm=False)
+    assert outs[0].prompt_token_ids == ids and outs[0].token_ids == outs[1].token_ids \
+        == outs[2].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].token_ids \
+        == outs[0].token_ids
     llm.shutdown()
 
 
