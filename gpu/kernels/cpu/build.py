@@ -1,6 +1,6 @@
 """Build and load the C++ CPU kernels once per machine; None when they cannot be built.
 
-`torch.utils.cpp_extension.load` compiles `paged_decode.cpp` with the host's own
+`torch.utils.cpp_extension.load` compiles the `.cpp` files here with the host's own
 instruction set (-march=native) into torch's extension cache and reuses it while the
 source and flags are unchanged, so only the first process on a machine pays the
 ~30 s compile; later ones load the cached library in well under a second. The
@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger("ridgeline.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "rotary_store.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 
 
@@ -52,7 +52,7 @@ def cpu_kernels() -> SimpleNamespace | None:
         cpp_extension.verify_ninja_availability()
         log.info("loading the C++ CPU kernels (built once per machine, cached)")
         cpp_extension.load(
-            name=f"ridgeline_cpu_{_cpu_digest()}", sources=[str(SOURCE)],
+            name=f"ridgeline_cpu_{_cpu_digest()}", sources=[str(p) for p in SOURCES],
             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False,
         )
