@@ -1,12 +1,14 @@
 """Paired A/B of one SmolLM2 decode step on CPU: plain torch attention against the C++
-paged decode kernel, in one process, alternating, so host noise hits both alike.
+paged decode kernel, that plus RoPE fused with the KV store, and those plus the C++
+add+RMSNorm and SiLU-and-mul ("all"), in one process,
+interleaved, so host noise hits every variant alike.
 
     python benchmarks/cpu_decode_ab.py [--threads 2] [--reps 7] [OUT.json]
 
 For each (dtype, batch, context): a pool with every row's context already written
 (values do not change the cost), shuffled pages as a scheduler leaves them, then
-`reps` rounds of [A, B] (order swapped every round), each the median of `steps`
-forwards plus the LM head for the batch's rows. Reports the medians and B/A.
+`reps` rounds of every variant (the order rotated each round), each the median of `steps`
+forwards plus the LM head for the batch's rows. Reports medians and ratios.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.kernels.cpu.build import cpu_kernels
+from gpu.kernels.cpu.decoder_ops import CppDecoderOps
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.ops import DecoderOps
@@ -46,6 +49,13 @@ def load(dtype: torch.dtype, max_len: int):
 
         pack_linears(model)
     return model.eval(), cfg
+
+
+def use_ops(model, ops) -> None:
+    """Swap the steps between matmuls (every module holding the model's DecoderOps)."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
 
 
 def decode_step(batch: int, context: int, num_blocks: int) -> AttentionInputs:
@@ -92,26 +102,34 @@ def main() -> None:
         dtype = getattr(torch, name)
         model, cfg = load(dtype, 2048)
         args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, BLOCK)
-        plain, fast = TorchAttentionBackend(*args), TorchAttentionBackend(*args, kernels=kernels)
+        plain = TorchAttentionBackend(*args)
+        decode = TorchAttentionBackend(*args, kernels=kernels)
+        decode.fuses_rotary = False  # the C++ decode kernel alone
+        both = TorchAttentionBackend(*args, kernels=kernels)  # and RoPE fused with the store
+        variants = {"torch": plain, "kernel": decode, "kernel+rope": both, "all": both}
+        fused_ops = CppDecoderOps(kernels)
         for batch, context in SHAPES:
             num_blocks = batch * -(-context // BLOCK) + 8
             shape = plain.kv_cache_shape(num_blocks)
             pools = ([torch.randn(shape).to(dtype) for _ in range(cfg.num_layers)],
                      [torch.randn(shape).to(dtype) for _ in range(cfg.num_layers)])
             inputs = decode_step(batch, context, num_blocks)
-            a_ms, b_ms = [], []
+            ms: dict[str, list[float]] = {v: [] for v in variants}
+            names = list(variants)
             for rep in range(a.reps):
-                order = [(plain, a_ms), (fast, b_ms)]
-                for backend, into in order if rep % 2 == 0 else order[::-1]:
-                    into.append(time_steps(model, backend, inputs, pools, a.steps))
+                first = rep % len(names)  # rotate who goes first
+                for v in names[first:] + names[:first]:
+                    use_ops(model, fused_ops if v == "all" else DecoderOps())
+                    ms[v].append(time_steps(model, variants[v], inputs, pools, a.steps))
             row = {"dtype": name, "threads": a.threads, "batch": batch, "context": context,
-                   "torch_ms": statistics.median(a_ms), "kernel_ms": statistics.median(b_ms),
-                   "torch_all": a_ms, "kernel_all": b_ms}
-            row["ratio"] = row["kernel_ms"] / row["torch_ms"]
+                   **{f"{v}_ms": statistics.median(t) for v, t in ms.items()},
+                   "all_ms": ms}
+            for v in names[1:]:
+                row[f"{v}_ratio"] = row[f"{v}_ms"] / row["torch_ms"]
             rows.append(row)
-            print(f"{name} threads={a.threads} B={batch} ctx={context}: torch "
-                  f"{row['torch_ms']:.1f} ms, kernel {row['kernel_ms']:.1f} ms, "
-                  f"ratio {row['ratio']:.2f}", flush=True)
+            print(f"{name} threads={a.threads} B={batch} ctx={context}: " + ", ".join(
+                f"{v} {row[f'{v}_ms']:.1f} ms" for v in names) + " | " + ", ".join(
+                f"{v}/torch {row[f'{v}_ratio']:.3f}" for v in names[1:]), flush=True)
             del pools
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from gpu.attention.base import StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.kernels.cpu import build
 from gpu.kernels.cpu.build import cpu_kernels
+from gpu.kernels.cpu.decoder_ops import CppDecoderOps
 from gpu.runner import decoder_ops, make_backend
 from models.ops import DecoderOps
 from models.rope import Rotary, apply_rotary
@@ -159,3 +160,20 @@ def test_rotary_fused_with_the_store_matches_rotating_first(rotary_dim, dtype) -
     # fp32: rounding order only; bf16: one rounding against torch's three
     torch.testing.assert_close(k_fused.float(), k_ref.float(), **TOLERANCES[dtype])
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_decoder_ops_match_the_reference(dtype) -> None:
+    fused, ref = CppDecoderOps(KERNELS), DecoderOps()
+    x = torch.randn(37, 576, dtype=dtype)
+    residual = torch.randn(37, 576, dtype=dtype)
+    weight = torch.rand(576, dtype=dtype) + 0.5
+    expected, expected_residual = ref.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    out, new_residual = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, expected_residual)  # the same one rounding of the sum
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
+    # gate/up as a strided view of a wider projection, with large gates both ways
+    gate_up = (torch.randn(37, 2 * 1536 + 64) * 30).to(dtype)[:, 64:]
+    torch.testing.assert_close(fused.silu_and_mul(gate_up).float(),
+                               ref.silu_and_mul(gate_up).float(), **TOLERANCES[dtype])

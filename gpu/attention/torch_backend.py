@@ -19,9 +19,11 @@ prefill rows (several new tokens).
 Index and mask tensors are built once per step in `prepare()`; a sliding window's
 mask once per step and window, on first use.
 
-With a sliding window the whole block table is still gathered (keys out of the
+With a sliding window the gathers still take the whole block table (keys out of the
 window are masked, never used): a block freed once it left every window may hold
 another request's keys by then, so its table entry only has to be a valid block id.
+The C++ decode kernel reads only the window's keys. With the kernels, RoPE is applied
+in C++ too, in the same pass that stores k and v (`fuses_rotary`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ instruction set (-march=native) into torch's extension cache and reuses it while
 source and flags are unchanged, so only the first process on a machine pays the
 ~30 s compile; later ones load the cached library in well under a second. The
 library's name carries a digest of the CPU's feature flags, so a cache directory
-shared by different CPUs never hands one a binary built for another.
+shared by different CPUs never hands one a binary built for another (and of the
+headers, whose changes torch would not notice).
 
 The kernels are a speed-up, never a requirement: without a compiler (or ninja), or
 when the build fails, the caller keeps the plain torch path and the reason is logged
@@ -25,13 +26,15 @@ import torch
 
 log = logging.getLogger("ridgeline.cpu_kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_decode.cpp", "rotary_store.cpp")]
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
 
 
-def _cpu_digest() -> str:
-    """A short digest of the CPU model and feature flags, for the library's name."""
-    text = platform.machine()
+def _digest() -> str:
+    """A short digest of the CPU model and feature flags, and of the headers (torch
+    tracks the sources' changes, not those of what they include), for the name."""
+    text = platform.machine() + "".join(p.read_text() for p in sorted(HERE.glob("*.h")))
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "model name", "Features")):
@@ -52,7 +55,7 @@ def cpu_kernels() -> SimpleNamespace | None:
         cpp_extension.verify_ninja_availability()
         log.info("loading the C++ CPU kernels (built once per machine, cached)")
         cpp_extension.load(
-            name=f"ridgeline_cpu_{_cpu_digest()}", sources=[str(p) for p in SOURCES],
+            name=f"ridgeline_cpu_{_digest()}", sources=[str(p) for p in SOURCES],
             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False,
         )

@@ -31,6 +31,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fast_exp.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -39,26 +41,6 @@ namespace {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// exp for x <= 0 (scores minus their max): Cody-Waite range reduction and a degree-6
-// polynomial (the classic single-precision one), ~1 ulp. Plain arithmetic so that the
-// loop calling it vectorises; libm's expf does not without -ffast-math.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // 2^-126 is still a normal float: no denormal scale below
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Softmax numerators in place over each of `rows` rows of `len` scores; returns sums.
 void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
