@@ -1,7 +1,5 @@
 """Paired A/B of one SmolLM2 decode step on CPU: plain torch attention against the C++
-paged decode kernel, that plus RoPE fused with the KV store, and those plus the C++
-add+RMSNorm and SiLU-and-mul ("all"), in one process,
-interleaved, so host noise hits every variant alike.
+paged decode kernel, in one process, interleaved, so host noise hits both alike.
 
     python benchmarks/cpu_decode_ab.py [--threads 2] [--reps 7] [OUT.json]
 
@@ -24,7 +22,6 @@ import torch
 from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.kernels.cpu.build import cpu_kernels
-from gpu.kernels.cpu.decoder_ops import CppDecoderOps
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.ops import DecoderOps
@@ -49,13 +46,6 @@ def load(dtype: torch.dtype, max_len: int):
 
         pack_linears(model)
     return model.eval(), cfg
-
-
-def use_ops(model, ops) -> None:
-    """Swap the steps between matmuls (every module holding the model's DecoderOps)."""
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
 
 
 def decode_step(batch: int, context: int, num_blocks: int) -> AttentionInputs:
@@ -103,11 +93,7 @@ def main() -> None:
         model, cfg = load(dtype, 2048)
         args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, BLOCK)
         plain = TorchAttentionBackend(*args)
-        decode = TorchAttentionBackend(*args, kernels=kernels)
-        decode.fuses_rotary = False  # the C++ decode kernel alone
-        both = TorchAttentionBackend(*args, kernels=kernels)  # and RoPE fused with the store
-        variants = {"torch": plain, "kernel": decode, "kernel+rope": both, "all": both}
-        fused_ops = CppDecoderOps(kernels)
+        variants = {"torch": plain, "kernel": TorchAttentionBackend(*args, kernels=kernels)}
         for batch, context in SHAPES:
             num_blocks = batch * -(-context // BLOCK) + 8
             shape = plain.kv_cache_shape(num_blocks)
@@ -119,11 +105,10 @@ def main() -> None:
             for rep in range(a.reps):
                 first = rep % len(names)  # rotate who goes first
                 for v in names[first:] + names[:first]:
-                    use_ops(model, fused_ops if v == "all" else DecoderOps())
                     ms[v].append(time_steps(model, variants[v], inputs, pools, a.steps))
             row = {"dtype": name, "threads": a.threads, "batch": batch, "context": context,
                    **{f"{v}_ms": statistics.median(t) for v, t in ms.items()},
-                   "all_ms": ms}
+                   "samples_ms": ms}
             for v in names[1:]:
                 row[f"{v}_ratio"] = row[f"{v}_ms"] / row["torch_ms"]
             rows.append(row)

@@ -111,9 +111,7 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
 def decoder_ops(backend: AttentionBackend) -> DecoderOps:
     """Fused Triton kernels for the steps between matmuls where attention runs on Triton
     (which fuses RoPE into its KV store too); plain torch otherwise (the CPU path)."""
-    from gpu.attention.torch_backend import TorchAttentionBackend
-
-    if backend.fuses_rotary and not isinstance(backend, TorchAttentionBackend):
+    if backend.fuses_rotary:
         from gpu.kernels.decoder_ops import TritonDecoderOps
 
         return TritonDecoderOps()

@@ -21,10 +21,7 @@ from gpu.attention.base import StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.kernels.cpu import build
 from gpu.kernels.cpu.build import cpu_kernels
-from gpu.kernels.cpu.decoder_ops import CppDecoderOps
-from gpu.runner import decoder_ops, make_backend
-from models.ops import DecoderOps
-from models.rope import Rotary, apply_rotary
+from gpu.runner import make_backend
 from tests.test_kernels import build_step
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
@@ -110,8 +107,6 @@ def test_auto_on_cpu_takes_the_kernels_and_torch_stays_plain() -> None:
     auto = make_backend("auto", torch.device("cpu"), cfg, 16)
     plain = make_backend("torch", torch.device("cpu"), cfg, 16)
     assert auto.kernels is KERNELS and plain.kernels is None
-    # RoPE fused into the CPU store must not hand the model Triton's decoder ops
-    assert type(decoder_ops(auto)) is DecoderOps
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog) -> None:
@@ -125,55 +120,3 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog) -> None:
         assert cpu_kernels.__wrapped__() is None
     assert "g++: not found" in caplog.text and "torch path" in caplog.text
 
-
-@needs_kernels
-@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rotary_fused_with_the_store_matches_rotating_first(rotary_dim, dtype) -> None:
-    """A mixed step with RoPE handed to the backend: the pools and the outputs equal
-    those of rotating q and k in torch first (`apply_rotary`), then storing."""
-    block_size, head_dim, num_heads = 16, 64, NUM_KV_HEADS * GROUP
-    inputs = build_step([0, 40, 16, 70], [9, 1, 12, 1], block_size, num_blocks=16)
-    rope = Rotary(None, theta=10000.0, rotary_dim=rotary_dim, max_position_embeddings=128,
-                  max_positions=128)
-    positions = torch.cat([torch.arange(c - n, c) for c, n in
-                           zip(inputs.context_lens_list, inputs.query_lens_list)])
-    cos, sin = rope(positions, dtype)
-    shape = (NUM_KV_HEADS, 16 * block_size, head_dim)
-    k_pool, v_pool = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
-    qkv = torch.randn(len(positions), num_heads + 2 * NUM_KV_HEADS, head_dim, dtype=dtype)
-    fused = TorchAttentionBackend(num_heads, NUM_KV_HEADS, head_dim, block_size, KERNELS)
-    plain = TorchAttentionBackend(num_heads, NUM_KV_HEADS, head_dim, block_size)
-    assert fused.fuses_rotary and not plain.fuses_rotary
-    results = []
-    for backend in (fused, plain):
-        pools = [k_pool.clone()], [v_pool.clone()]
-        ctx = StepContext(backend, backend.prepare(inputs), *pools)
-        q, k, v = qkv.clone().split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
-        if not ctx.rotates:
-            q, k = apply_rotary(torch.cat([q, k], dim=1), cos, sin).split(
-                [num_heads, NUM_KV_HEADS], dim=1)
-        out = ctx.attend(0, q, k, v, None, (cos, sin) if ctx.rotates else None)
-        results.append((out, pools[0][0], pools[1][0]))
-    (out, k_fused, v_fused), (ref, k_ref, v_ref) = results
-    assert torch.equal(v_fused, v_ref)
-    # fp32: rounding order only; bf16: one rounding against torch's three
-    torch.testing.assert_close(k_fused.float(), k_ref.float(), **TOLERANCES[dtype])
-    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[dtype])
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpp_decoder_ops_match_the_reference(dtype) -> None:
-    fused, ref = CppDecoderOps(KERNELS), DecoderOps()
-    x = torch.randn(37, 576, dtype=dtype)
-    residual = torch.randn(37, 576, dtype=dtype)
-    weight = torch.rand(576, dtype=dtype) + 0.5
-    expected, expected_residual = ref.add_rms_norm(x, residual.clone(), weight, 1e-5)
-    out, new_residual = fused.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(new_residual, expected_residual)  # the same one rounding of the sum
-    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCES[dtype])
-    # gate/up as a strided view of a wider projection, with large gates both ways
-    gate_up = (torch.randn(37, 2 * 1536 + 64) * 30).to(dtype)[:, 64:]
-    torch.testing.assert_close(fused.silu_and_mul(gate_up).float(),
-                               ref.silu_and_mul(gate_up).float(), **TOLERANCES[dtype])

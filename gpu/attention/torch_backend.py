@@ -22,8 +22,7 @@ mask once per step and window, on first use.
 With a sliding window the gathers still take the whole block table (keys out of the
 window are masked, never used): a block freed once it left every window may hold
 another request's keys by then, so its table entry only has to be a valid block id.
-The C++ decode kernel reads only the window's keys. With the kernels, RoPE is applied
-in C++ too, in the same pass that stores k and v (`fuses_rotary`).
+The C++ decode kernel reads only the window's keys.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend, AttentionInputs
-from models.rope import apply_rotary
 
 
 @dataclass
@@ -90,8 +88,6 @@ class TorchAttentionBackend(AttentionBackend):
                  kernels=None):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.kernels = kernels  # torch.ops.ridgeline_cpu, or None: plain torch throughout
-        # With the kernels, RoPE is applied in one pass fused with the KV store.
-        self.fuses_rotary = kernels is not None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -131,16 +127,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):
-        if rotary is not None and q.dtype in self.KERNEL_DTYPES:
-            # q rotated in place (a view of this layer's fresh projection); k on its way in.
-            self.kernels.rotary_store(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping)
-        else:
-            if rotary is not None:
-                qk = apply_rotary(torch.cat([q, k], dim=1), *rotary)
-                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            # The CPU path never pads, so every slot is a real one (-1 never occurs here).
-            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        assert rotary is None, "the model rotates q and k itself here (fuses_rotary is False)"
+        # The CPU path never pads, so every slot is a real one (-1 never occurs here).
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = None if len(meta.groups) == 1 and meta.groups[0].identity else torch.empty_like(q)
         by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)
