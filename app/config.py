@@ -137,7 +137,9 @@ class EngineConfig:
         None, "threads for torch's CPU kernels (default: every core the rest of the host "
         "leaves free, re-checked every 2 s: on a busy 2-core host 2 spinning OpenMP "
         "threads decode 2x slower than 1, on an idle one 1.8x faster)")
-    attention_backend: str = setting("auto", "auto: Triton on CUDA, torch on CPU",
+    attention_backend: str = setting("auto", "auto: Triton on CUDA; on CPU torch with a C++ paged "
+                                     "decode kernel (built once, plain torch if it cannot "
+                                     "be); torch: plain torch",
                                      choices=ATTENTION_BACKENDS)
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")

@@ -100,7 +100,12 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
         return TritonAttentionBackend(*args)
     from gpu.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(*args)
+    kernels = None
+    if name == "auto" and device.type == "cpu":  # "torch" keeps plain torch, the reference
+        from gpu.kernels.cpu.build import cpu_kernels
+
+        kernels = cpu_kernels()
+    return TorchAttentionBackend(*args, kernels=kernels)
 
 
 def decoder_ops(backend: AttentionBackend) -> DecoderOps:

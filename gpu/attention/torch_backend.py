@@ -9,16 +9,20 @@ blocks instead of single slots ~1.7x faster again.
 
 Sequences are split into two groups: decode rows (one new token each) and
 prefill rows (several new tokens).
-- Decode rows: two batched matmuls with the query heads of each KV head
-  stacked (GQA without repeating K/V); CPU SDPA is slow for one query token.
+- Decode rows: when the C++ CPU kernels are built (`gpu/kernels/cpu/`, given as
+  `kernels`), one call reads the pool in place, walking each row's block table: the
+  gather below copies every context's K/V once per layer, and that copy dominates a
+  step at long contexts. Otherwise two batched matmuls with the query heads of each
+  KV head stacked (GQA without repeating K/V); CPU SDPA is slow for one query token.
 - Prefill rows: scaled_dot_product_attention with a mask that is causal within
   the new tokens and hides the padding (CPU flash attention wins there).
 Index and mask tensors are built once per step in `prepare()`; a sliding window's
 mask once per step and window, on first use.
 
-With a sliding window the whole block table is still gathered (keys out of the
+With a sliding window the gathers still take the whole block table (keys out of the
 window are masked, never used): a block freed once it left every window may hold
 another request's keys by then, so its table entry only has to be a valid block id.
+The C++ decode kernel reads only the window's keys.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class _Group:
     max_query_len: int
     max_context_len: int  # L: the longest context, rounded up to whole blocks
     identity: bool  # the group is every row of the batch, in order, one token each
+    block_tables: torch.Tensor  # [B, blocks] int32, the group's rows (for the C++ kernel)
+    context_lens: torch.Tensor  # [B] int32
     _bias: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -75,6 +81,14 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    # dtypes the C++ decode kernel takes; others keep the torch path
+    KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 kernels=None):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self.kernels = kernels  # torch.ops.ridgeline_cpu, or None: plain torch throughout
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
 
@@ -106,8 +120,10 @@ class TorchAttentionBackend(AttentionBackend):
         # Causal: the new token at position p sees keys 0..p (all inside its context).
         allowed = pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
         identity = q_max == 1 and len(seqs) == len(inputs.query_lens_list)
+        tables = inputs.block_tables[idx, :num_blocks].to(torch.int32).contiguous()
         return _Group(query_rows, key_blocks.flatten(), allowed, query_pos, query_rows[valid],
-                      valid, len(seqs), q_max, l_max, identity)
+                      valid, len(seqs), q_max, l_max, identity, tables,
+                      inputs.context_lens[idx].to(torch.int32).contiguous())
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):
@@ -119,21 +135,30 @@ class TorchAttentionBackend(AttentionBackend):
         out = None if len(meta.groups) == 1 and meta.groups[0].identity else torch.empty_like(q)
         by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)
         for g in meta.groups:
-            shape = (self.num_kv_heads, g.num_seqs, g.max_context_len, self.head_dim)
-            kg = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
-            vg = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
             if g.max_query_len == 1:
-                o = self._decode(q if g.identity else q[g.query_rows[:, 0]], kg, vg, g,
-                                 sliding_window)
+                o = self._decode(q if g.identity else q[g.query_rows[:, 0]], k_cache, v_cache,
+                                 g, sliding_window)
             else:
+                shape = (self.num_kv_heads, g.num_seqs, g.max_context_len, self.head_dim)
+                kg = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
+                vg = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
                 o = self._prefill(q[g.query_rows], kg, vg, g.allowed_in(sliding_window))
             if out is None:
                 return o.reshape(meta.num_tokens, self.num_heads, self.head_dim)
             out[g.out_rows] = o[g.valid]
         return out
 
-    def _decode(self, q, k, v, g: _Group, window: int | None):
-        """q [B, H, D], k/v [KVH, B, L, D] → [B, 1, H, D]."""
+    def _decode(self, q, k_cache, v_cache, g: _Group, window: int | None):
+        """q [B, H, D] → [B, 1, H, D]: the C++ kernel over the pool in place when built,
+        else a block gather and two batched matmuls."""
+        if self.kernels is not None and q.dtype in self.KERNEL_DTYPES:
+            return self.kernels.paged_decode(
+                q, k_cache, v_cache, g.block_tables, g.context_lens, self.block_size,
+                self.scale, window or 0).unsqueeze(1)
+        shape = (self.num_kv_heads, g.num_seqs, g.max_context_len, self.head_dim)
+        by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)
+        k = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
+        v = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
         kvh, b, length, d = k.shape
         group = self.num_heads // kvh
         qg = q.view(b, kvh, group, d).transpose(0, 1).reshape(kvh * b, group, d)

@@ -1,0 +1,122 @@
+"""The C++ CPU paged decode kernel against the torch backend's own decode path.
+
+Both run through `TorchAttentionBackend` on the same step, pools and q/k/v: one built
+with the kernels, one without (the gather and two batched matmuls, itself checked
+against the references in test_sliding_window.py). Steps are scheduler-like: ragged
+contexts, shuffled non-contiguous pages, GQA (3 query heads per KV head, as SmolLM2),
+q a strided view of a fused projection, windows shorter than a block and longer than
+several. head_dim 64 takes the AVX-512 loops where the host has them; 20 takes the
+portable ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu.attention.base import StepContext
+from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.kernels.cpu import build
+from gpu.kernels.cpu.build import cpu_kernels
+from gpu.runner import make_backend
+from tests.test_kernels import build_step
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+NUM_KV_HEADS, GROUP = 3, 3
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5),
+              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype, window):
+    """One layer of one step through the backend with and without the kernel."""
+    context = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    num_blocks = sum(-(-n // block_size) for n in context) + 3
+    inputs = build_step(prefix_lens, query_lens, block_size, num_blocks)
+    num_heads = NUM_KV_HEADS * GROUP
+    results = []
+    shape = (NUM_KV_HEADS, num_blocks * block_size, head_dim)
+    k_pool, v_pool = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    qkv = torch.randn(len(inputs.slot_mapping), num_heads + 2 * NUM_KV_HEADS, head_dim,
+                      dtype=dtype)
+    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+    assert not q.is_contiguous()
+    for kernels in (KERNELS, None):
+        backend = TorchAttentionBackend(num_heads, NUM_KV_HEADS, head_dim, block_size,
+                                        kernels=kernels)
+        ctx = StepContext(backend, backend.prepare(inputs), [k_pool.clone()], [v_pool.clone()])
+        results.append(ctx.attend(0, q, k, v, window))
+    return results
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5, 40], ids=["full", "w5", "w40"])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (4, torch.float32),
+                                                   (16, torch.bfloat16)],
+                         ids=["bs16-fp32", "bs4-fp32", "bs16-bf16"])
+def test_decode_rows_match_the_torch_path(window, head_dim, block_size, dtype) -> None:
+    prefix_lens = [0, 37, 130, 16, 5, 300]
+    fast, ref = attend_both_ways(prefix_lens, [1] * len(prefix_lens), block_size, head_dim,
+                                 dtype, window)
+    assert fast.dtype == dtype and fast.shape == ref.shape
+    torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_rows_between_prefill_rows(dtype) -> None:
+    """The kernel takes the decode group's own q rows and table rows; prefill rows keep
+    SDPA and the outputs land in their rows of the step."""
+    fast, ref = attend_both_ways([0, 40, 16, 70], [9, 1, 12, 1], 16, 64, dtype, None)
+    torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+def test_kernel_reads_no_key_outside_the_window() -> None:
+    """Blocks wholly before a row's window may be freed and reused: poisoning them with
+    NaN must not change the kernel's result."""
+    block_size, window, head_dim = 4, 6, 64
+    tables = torch.tensor([[3, 0, 5, 1], [2, 4, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor([15, 9], dtype=torch.int32)
+    shape = (NUM_KV_HEADS, 8 * block_size, head_dim)
+    k_pool, v_pool = torch.randn(shape), torch.randn(shape)
+    q = torch.randn(2, NUM_KV_HEADS * GROUP, head_dim)
+    args = (tables, lens, block_size, head_dim**-0.5, window)
+    clean = KERNELS.paged_decode(q, k_pool, v_pool, *args)
+    for block in (3, 0, 2):  # row 0 sees keys 9..14 (blocks 5, 1); row 1 keys 3..8
+        if block == 2:
+            k_pool[:, block * block_size:block * block_size + 3] = float("nan")  # keys 0..2
+            v_pool[:, block * block_size:block * block_size + 3] = float("nan")
+        else:
+            k_pool[:, block * block_size:(block + 1) * block_size] = float("nan")
+            v_pool[:, block * block_size:(block + 1) * block_size] = float("nan")
+    assert torch.equal(KERNELS.paged_decode(q, k_pool, v_pool, *args), clean)
+
+
+def test_auto_on_cpu_takes_the_kernels_and_torch_stays_plain() -> None:
+    cfg = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64)
+    auto = make_backend("auto", torch.device("cpu"), cfg, 16)
+    plain = make_backend("torch", torch.device("cpu"), cfg, 16)
+    assert auto.kernels is KERNELS and plain.kernels is None
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=build.log.name):
+        assert cpu_kernels.__wrapped__() is None
+    assert "g++: not found" in caplog.text and "torch path" in caplog.text
+
