@@ -172,10 +172,10 @@ class ModelRunner:
                            else iter_safetensors(spec.model_dir, self.dtype))
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if self.device.type == "cpu":
             from gpu.cpu_linear import pack_linears
 
-            pack_linears(self.model)
+            pack_linears(self.model)  # logs what its packed copies add in host memory
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.

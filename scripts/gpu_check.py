@@ -222,7 +222,10 @@ def build_model(check: Check, eager: bool = False) -> dict:
                                     max_model_len=spec.max_model_len, tables=runner.tables)
         runner.graphs.capture()
     check.runner = runner
-    layers = [m for m in runner.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    # nn.Linear, or (on a CPU smoke run) its oneDNN-packed stand-in: both know their shape.
+    layers = [(m.out_features * m.in_features) for m in runner.model.layers.modules()
+              if hasattr(m, "out_features") and hasattr(m, "in_features")]
+    dtype_bytes = torch.tensor([], dtype=check.dtype).element_size()
     graphs = runner.graphs
     return {
         "layers": cfg["num_hidden_layers"], "enforce_eager": eager,
@@ -234,8 +237,8 @@ def build_model(check: Check, eager: bool = False) -> dict:
         "kv_blocks": runner.plan.num_blocks, "kv_GiB": runner.plan.kv_bytes / 2**30,
         "kv_bytes_per_token": runner.plan.bytes_per_token,
         "weights_bytes": runner.plan.weights_bytes,
-        "layer_weight_bytes": sum(m.weight.numel() * m.weight.element_size() for m in layers),
-        "layer_matmul_params": sum(m.weight.numel() for m in layers),
+        "layer_weight_bytes": sum(layers) * dtype_bytes,
+        "layer_matmul_params": sum(layers),
         "lm_head_params": cfg["vocab_size"] * cfg["hidden_size"],
         "attention_dims": [cfg["num_attention_heads"], cfg["head_dim"], cfg["num_hidden_layers"]],
     }
