@@ -141,6 +141,9 @@ class EngineConfig:
                                      "decode kernel (built once, plain torch if it cannot "
                                      "be); torch: plain torch",
                                      choices=ATTENTION_BACKENDS)
+    cpu_quantized_matmul: bool = setting(
+        True, "on CPU in float32, matmuls of a few rows (decode) read a GGUF's Q4_1/Q8_0 "
+        "blocks through a C++ kernel: the same weights in a sixth of the bytes")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

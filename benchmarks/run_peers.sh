@@ -171,6 +171,11 @@ main() {
     install) install ;;
     run)
       mkdir -p "$OUT"
+      # An export from before the converter kept the GGUF's blocks (models/gguf_blocks.py)
+      # would hide them from Ridgeline's CPU path: export the default model again.
+      if [[ $MODEL_DIR == benchmarks/.model-smollm2 && ! -d $MODEL_DIR/quantized ]]; then
+        rm -rf "$MODEL_DIR"
+      fi
       if [[ ! -d "$MODEL_DIR" ]]; then
         ridgeline export-model "$MODEL_DIR"
         echo '*' > "$MODEL_DIR/.gitignore"

@@ -10,6 +10,13 @@ it does not. Measured per layer shape (SmolLM2, docs/benchmarks.md):
   weights take twice the memory on CPU (logged at load; the memory plan counts the
   checkpoint's weights, and on CPU the KV pool has its own fixed size).
 
+Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): in fp32,
+calls of up to `QUANTIZED_MAX_ROWS` rows (by format) read the blocks through the C++ kernel
+(`gpu/kernels/cpu/quant_linear.cpp`) instead of the plain weight, which is then not
+kept. Decode of a few sequences streams every weight once per token, so the bytes
+read are the step's cost: ~96 MB of blocks instead of 540 MB for SmolLM2. The blocks'
+values are the fp32 weights' bit for bit; only the summation order differs.
+
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
 """
@@ -22,9 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.roofline import QuantizedReads
+from models.gguf_blocks import QuantizedWeight
+
 log = logging.getLogger("ridgeline.cpu_linear")
 
 PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
+# fp32: up to this many rows run faster on the quantized blocks than on either fp32
+# weight (benchmarks/cpu_quant_linear_ab.py: every SmolLM2 layer shape wins at 32 rows
+# by 0.66-0.88x and loses at 64; the Q8_0 LM head wins at 16 by 0.62x, ties at 32).
+QUANTIZED_MAX_ROWS = {"q4_1": 32, "q8_0": 16}
 
 
 def _packing_available() -> bool:
@@ -33,49 +47,118 @@ def _packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free linear layer whose weight is held in oneDNN's packed layout (and, in
-    fp32, also as it is, for calls with few rows)."""
+    """A bias-free linear layer whose weight is held in oneDNN's packed layout and, in
+    fp32, also as quantized blocks or else as it is, for calls with few rows."""
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int = 64):
+    def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
+                 quantized: QuantizedWeight | None = None, kernels=None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        self.plain = weight if weight.dtype == torch.float32 else None
+        fp32 = weight.dtype == torch.float32
+        self.quantized = quantized if fp32 and kernels is not None else None
+        self._quantized_op = (getattr(kernels, f"{quantized.format}_linear")
+                              if self.quantized is not None else None)
+        self.quantized_max_rows = (QUANTIZED_MAX_ROWS[quantized.format]
+                                   if self.quantized is not None else 0)
+        self.plain = weight if fp32 and self.quantized is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.numel() < PACKED_MIN_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.quantized_max_rows:
+            q = self.quantized
+            out = self._quantized_op(x.reshape(rows, self.in_features), q.qweight, q.scales,
+                                     *([q.mins] if q.mins is not None else []))
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.plain is not None and rows < PACKED_MIN_ROWS:
             return F.linear(x, self.plain)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
-def pack_linears(model: nn.Module) -> int:
+def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
+                       ) -> dict[str, QuantizedWeight]:
+    """Our parameter name -> its quantized blocks, fused parameters stacked from their
+    HF parts in row order (only where every part was kept)."""
+    by_hf = {name.removeprefix("model."): q for name, q in quantized.items()}
+    layout = model.checkpoint_layout() if hasattr(model, "checkpoint_layout") else {}
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for hf, (ours, offset, _rows) in layout.items():
+        parts.setdefault(ours, []).append((offset, hf))
+    out = {name: q for name, q in by_hf.items() if name not in layout}
+    for ours, sources in parts.items():
+        if all(hf in by_hf for _, hf in sources):
+            out[ours] = QuantizedWeight.stack([by_hf[hf] for _, hf in sorted(sources)])
+    return out
+
+
+def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
+    if q is None:
+        return False
+    k = q.qweight.shape[1] * (2 if q.format == "q4_1" else 1)
+    return (q.out_features, k) == tuple(weight.shape)
+
+
+def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
+                 kernels=None) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
-    a tied LM head (no `lm_head` module) a packed copy of the embedding.
+    a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
+    a GGUF's blocks by HF name, used with the C++ `kernels` where they fit.
 
     Returns the bytes the packed copies add to the weights."""
     if not _packing_available():
         return 0
-    count, extra = 0, 0
+    if kernels is not None and not hasattr(kernels, "q4_1_linear"):
+        kernels = None
+    sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
+    count, extra, used = 0, 0, 0
 
     def packable(w: torch.Tensor) -> bool:
         return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
 
-    for parent in list(model.modules()):
+    def pack(weight: torch.Tensor, name: str) -> PackedLinear:
+        nonlocal count, extra, used
+        q = sources.get(name)
+        layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
+                             kernels=kernels)
+        count += 1
+        if layer.quantized is not None:
+            used += 1
+            extra += layer.quantized.nbytes
+        # Two copies where there was one: the plain weight (or the embedding, still
+        # needed for the lookup) beside the packed one.
+        if layer.plain is not None or name == "embed_tokens.weight":
+            extra += weight.numel() * weight.element_size()
+        return layer
+
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None and packable(child.weight):
-                setattr(parent, name, PackedLinear(child.weight))
-                count += 1
-                if child.weight.dtype == torch.float32:  # kept beside its packed copy
-                    extra += child.weight.numel() * 4
+                full = f"{prefix}.{name}" if prefix else name
+                setattr(parent, name, pack(child.weight, f"{full}.weight"))
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and embed is not None \
             and packable(embed.weight):
-        model.lm_head = PackedLinear(embed.weight)
-        count += 1
-        extra += embed.weight.numel() * embed.weight.element_size()
+        model.lm_head = pack(embed.weight, "embed_tokens.weight")
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        log.info("packed %d %s linear weights for oneDNN (+%.2f GiB)", count, dtype,
+        log.info("packed %d %s linear weights for oneDNN, %d of them also read from their "
+                 "quantized blocks for calls of few rows (+%.2f GiB)", count, dtype, used,
                  extra / 2**30)
     return extra
+
+
+def quantized_reads(model: nn.Module) -> QuantizedReads | None:
+    """What a few-row step reads from blocks, for the roofline (None: nothing does)."""
+    layers = [m for n, m in model.named_modules()
+              if isinstance(m, PackedLinear) and m.quantized is not None and n != "lm_head"]
+    head = getattr(model, "lm_head", None)
+    head_blocks = head.quantized if isinstance(head, PackedLinear) else None
+    if not layers and head_blocks is None:
+        return None
+    return QuantizedReads(
+        layer_bytes=sum(m.quantized.nbytes for m in layers),
+        head_bytes=head_blocks.nbytes if head_blocks is not None else 0,
+        layer_max_rows=min((m.quantized_max_rows for m in layers), default=0),
+        head_max_rows=head.quantized_max_rows if head_blocks is not None else 0,
+        layer_params=sum(m.in_features * m.out_features for m in layers))

@@ -24,6 +24,9 @@ batch's query and context lengths; nothing is measured here):
              + KV read: Σ over sequences of the keys it sees × KV bytes per token
 - bytes written = tokens × KV bytes per token (the new K and V)
 
+Where a CPU reads a GGUF's quantized blocks for matmuls of few rows
+(`gpu/cpu_linear.py`), those steps read the blocks' bytes instead (`blocks`).
+
 Activations, norms and the sampler are left out: they are not the traffic a step
 cannot avoid. So MBU (achieved bytes/s over peak) and MFU (achieved FLOP/s over peak)
 computed from these figures are the utilisation of the compulsory work, the usual
@@ -127,6 +130,19 @@ def attention_work(query_lens: list[int], context_lens: list[int],
 
 
 @dataclass(frozen=True)
+class QuantizedReads:
+    """Bytes a step of few rows reads from quantized blocks instead of the served
+    dtype's weights: the layers' matmuls up to `layer_max_rows` tokens, the LM head up
+    to `head_max_rows` logit rows."""
+
+    layer_bytes: int
+    head_bytes: int
+    layer_max_rows: int
+    head_max_rows: int
+    layer_params: int  # the matmul weights those blocks stand for
+
+
+@dataclass(frozen=True)
 class ModelCost:
     """The cost model above for one model in one dtype (see the module docstring)."""
 
@@ -139,10 +155,11 @@ class ModelCost:
     kv_bytes_per_token: int
     attention_flops_per_pair: int  # 4 · heads · head_dim · layers
     window: int | None = None
+    blocks: QuantizedReads | None = None
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, dtype_bytes: int,
-                    window: int | None = None) -> ModelCost:
+    def from_config(cls, cfg: ModelConfig, dtype_bytes: int, window: int | None = None,
+                    blocks: QuantizedReads | None = None) -> ModelCost:
         hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         matmul = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
@@ -167,6 +184,7 @@ class ModelCost:
             kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
             attention_flops_per_pair=4 * cfg.num_heads * hd * cfg.num_layers,
             window=window,
+            blocks=blocks,
         )
 
     @property
@@ -180,8 +198,13 @@ class ModelCost:
         pairs, keys = attention_work(query_lens, context_lens, self.window)
         flops = (2 * self.matmul_params * tokens + 2 * self.head_params * logit_rows
                  + self.attention_flops_per_pair * pairs)
-        read = (self.layer_params + (self.head_params if logit_rows else 0)
-                + tokens * self.hidden_size) * self.dtype_bytes + keys * self.kv_bytes_per_token
+        layers, head = self.layer_params * self.dtype_bytes, self.head_params * self.dtype_bytes
+        if self.blocks is not None and 0 < tokens <= self.blocks.layer_max_rows:
+            layers += self.blocks.layer_bytes - self.blocks.layer_params * self.dtype_bytes
+        if self.blocks is not None and 0 < logit_rows <= self.blocks.head_max_rows:
+            head = self.blocks.head_bytes
+        read = (layers + (head if logit_rows else 0) + tokens * self.hidden_size
+                * self.dtype_bytes + keys * self.kv_bytes_per_token)
         return StepCost(flops, read, tokens * self.kv_bytes_per_token, seconds)
 
     def decode(self, batch: int, context: int) -> StepCost:

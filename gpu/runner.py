@@ -26,6 +26,7 @@ from gpu.sampler import Sampler
 from gpu.staging import Staging
 from gpu.step_inputs import apply_table_updates, stage_eager_step
 from gpu.threads import ThreadGovernor
+from models import gguf_blocks
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.ops import DecoderOps
@@ -62,6 +63,7 @@ class RunnerSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
     torch_threads: int | None  # None: torch's default
+    cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
 
     @classmethod
     def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
@@ -109,8 +111,14 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
 
 
 def decoder_ops(backend: AttentionBackend) -> DecoderOps:
-    """Fused Triton kernels for the steps between matmuls where attention runs on Triton
-    (which fuses RoPE into its KV store too); plain torch otherwise (the CPU path)."""
+    """Fused kernels for the steps between matmuls: Triton where attention runs on
+    Triton (which fuses RoPE into its KV store too), C++ on CPU where those kernels are
+    built (`attention_backend` auto); plain torch otherwise."""
+    kernels = getattr(backend, "kernels", None)
+    if kernels is not None and hasattr(kernels, "add_rms_norm_"):
+        from gpu.kernels.cpu.ops import CpuDecoderOps
+
+        return CpuDecoderOps(kernels)
     if backend.fuses_rotary:
         from gpu.kernels.decoder_ops import TritonDecoderOps
 
@@ -162,6 +170,7 @@ class ModelRunner:
             spec.attention_backend, self.device, self.config, spec.block_size
         )
         t0 = time.perf_counter()
+        block_reads = None  # what few-row steps read from a GGUF's blocks instead
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
                                        ops=decoder_ops(self.backend))
@@ -173,9 +182,13 @@ class ModelRunner:
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         if self.device.type == "cpu":
-            from gpu.cpu_linear import pack_linears
+            from gpu.cpu_linear import pack_linears, quantized_reads
 
-            pack_linears(self.model)  # logs what its packed copies add in host memory
+            blocks = (gguf_blocks.load(spec.model_dir)
+                      if spec.cpu_quantized_matmul and weights is None else {})
+            # Logs what its packed copies and the blocks add in host memory.
+            pack_linears(self.model, blocks, getattr(self.backend, "kernels", None))
+            block_reads = quantized_reads(self.model)
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
@@ -199,7 +212,8 @@ class ModelRunner:
             graph_bytes=self.profile.graph_bytes,
             sliding_window=self.config.uniform_window,
         )
-        self.cost = ModelCost.from_config(self.config, dtype_bytes, self.plan.sliding_window)
+        self.cost = ModelCost.from_config(self.config, dtype_bytes, self.plan.sliding_window,
+                                          block_reads)
         log_roofline(self.peaks, self.cost, spec.max_num_seqs, self.plan.max_model_len)
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
         # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.

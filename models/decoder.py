@@ -187,14 +187,20 @@ class DecoderForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------
 
+    def checkpoint_layout(self) -> Layout:
+        """Every fused parameter's HF sources: HF name (without `model.`) -> (our
+        parameter, first row, rows). Parameters not listed take their HF tensor whole."""
+        return {
+            f"{prefix}.{hf}": (f"{prefix}.{ours}", offset, rows)
+            for prefix, module in self.named_modules()
+            if prefix and hasattr(module, "checkpoint_layout")
+            for hf, (ours, offset, rows) in module.checkpoint_layout().items()
+        }
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into their (fused) parameters; every row must be set."""
         params = dict(self.named_parameters())
-        layout: Layout = {
-            f"{prefix}.{hf}": (f"{prefix}.{ours}", offset, rows)
-            for prefix, module in self.named_modules() if hasattr(module, "checkpoint_layout")
-            for hf, (ours, offset, rows) in module.checkpoint_layout().items()
-        }
+        layout = self.checkpoint_layout()
         loaded: dict[str, int] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")

@@ -7,6 +7,9 @@ GGUF support is this one file rather than a second loading path. The tensors are
 written in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and
 the same values the loader would have cast to); float32 is the exact path the parity
 tests use.
+A float32 conversion also keeps the Q4_1 / Q8_0 weights' blocks as they are
+(`models/gguf_blocks.py`): the CPU's small-batch matmuls read them, the same values in
+a sixth of the bytes.
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
@@ -23,6 +26,7 @@ vocab and merges is exactly what its converter already does well.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from models import gguf_blocks
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -122,6 +128,8 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
         save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype]),
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
+        if dtype == "float32":  # the blocks encode exactly these values (see gguf_blocks)
+            gguf_blocks.save(*_quantized_blocks(reader, config), tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -272,9 +280,7 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
     in float32 when a narrower dtype is asked for."""
     from gguf.quants import dequantize
 
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     arch = reader.get_field("general.architecture").contents()
-    permuted = arch == "llama"  # llama.cpp interleaves rotary pairs only for this one
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
@@ -287,12 +293,35 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name} "
                              f"({t.tensor_type.name}, shape {shape}): {e}") from e
-        if permuted and t.name.endswith("attn_q.weight"):
-            w = undo_qk_permutation(w, heads)
-        elif permuted and t.name.endswith("attn_k.weight"):
-            w = undo_qk_permutation(w, kv_heads)
-        out[name] = torch.tensor(w, dtype=dtype)  # a copy: the reader's arrays are read-only
+        permute = _row_permutation(t.name, arch, config)
+        out[name] = torch.tensor(w if permute is None else permute(w), dtype=dtype)  # a copy
     return out
+
+
+def _quantized_blocks(reader: GGUFReader, config: dict[str, Any]) -> tuple[dict, dict]:
+    """The blocks of every Q4_1 / Q8_0 weight (`models/gguf_blocks.py`), by HF name,
+    and each one's format."""
+    arch = reader.get_field("general.architecture").contents()
+    tensors, formats = {}, {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, arch)
+        rows = int(t.shape[-1]) if len(t.shape) == 2 else 0
+        kept = name and rows and gguf_blocks.blocks_of(
+            t, rows, _row_permutation(t.name, arch, config))
+        if kept:
+            tensors[name], formats[name] = kept, t.tensor_type.name.lower()
+    return tensors, formats
+
+
+def _row_permutation(gguf_name: str, arch: str, config: dict[str, Any]):
+    """llama.cpp interleaves Q/K rotary rows only for `llama`: the map back, else None."""
+    if arch != "llama":
+        return None
+    if gguf_name.endswith("attn_q.weight"):
+        return functools.partial(undo_qk_permutation, n_head=config["num_attention_heads"])
+    if gguf_name.endswith("attn_k.weight"):
+        return functools.partial(undo_qk_permutation, n_head=config["num_key_value_heads"])
+    return None
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:

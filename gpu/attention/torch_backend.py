@@ -9,6 +9,9 @@ blocks instead of single slots ~1.7x faster again.
 
 Sequences are split into two groups: decode rows (one new token each) and
 prefill rows (several new tokens).
+- Storing: with the C++ kernels, RoPE is applied on the way into the pool (q rotated
+  in place), one pass per token (`fuses_rotary`); else the model rotates and two
+  index_copy_ calls store.
 - Decode rows: when the C++ CPU kernels are built (`gpu/kernels/cpu/`, given as
   `kernels`), one call reads the pool in place, walking each row's block table: the
   gather below copies every context's K/V once per layer, and that copy dominates a
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend, AttentionInputs
+from models.rope import apply_rotary
 
 
 @dataclass
@@ -88,6 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
                  kernels=None):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         self.kernels = kernels  # torch.ops.ridgeline_cpu, or None: plain torch throughout
+        # RoPE joined to the KV store in one C++ pass per token (rotary_kv_store.cpp).
+        self.fuses_rotary = kernels is not None and hasattr(kernels, "rotary_kv_store_")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -127,10 +133,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):
-        assert rotary is None, "the model rotates q and k itself here (fuses_rotary is False)"
         # The CPU path never pads, so every slot is a real one (-1 never occurs here).
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if rotary is not None and q.dtype in self.KERNEL_DTYPES:  # q rotated in place
+            self.kernels.rotary_kv_store_(q, k, v, *rotary, k_cache, v_cache,
+                                          meta.slot_mapping)
+        else:
+            if rotary is not None:  # a dtype the kernel does not take
+                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = None if len(meta.groups) == 1 and meta.groups[0].identity else torch.empty_like(q)
         by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)

@@ -6,7 +6,9 @@ source and flags are unchanged, so only the first process on a machine pays the
 ~30 s compile; later ones load the cached library in well under a second. The
 library's name carries a digest of the CPU's feature flags, so a cache directory
 shared by different CPUs never hands one a binary built for another (and of the
-headers, whose changes torch would not notice).
+headers, whose changes torch would not notice). -ffp-contract=off keeps a written
+multiply and add two roundings (GCC would fuse them, even across intrinsics), as the
+quantized kernels' exact dequantization needs; explicit FMA intrinsics stay FMAs.
 
 The kernels are a speed-up, never a requirement: without a compiler (or ninja), or
 when the build fails, the caller keeps the plain torch path and the reason is logged
@@ -28,7 +30,7 @@ log = logging.getLogger("ridgeline.cpu_kernels")
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
 
 
 def _digest() -> str:

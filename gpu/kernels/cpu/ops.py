@@ -1,0 +1,38 @@
+"""The decoder's steps between matmuls through the C++ CPU kernels (`decoder_ops.cpp`),
+behind the interface of `models.ops.DecoderOps` (plain torch, the reference).
+
+The runner hands this to the model on CPU when the kernels are built: each norm, each
+residual add with its norm becomes one call instead of six or seven torch ops, which at
+decode batch sizes is where a step's time between matmuls goes (RoPE joins the KV
+store in the attention backend). SiLU-and-mul stays torch's: its two vectorised ops
+beat a C++ loop GCC would not vectorise (the polynomial exp in a select). Shapes or
+dtypes the kernels do not take fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.ops import DecoderOps
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuDecoderOps(DecoderOps):
+    def __init__(self, kernels):
+        self.kernels = kernels  # torch.ops.ridgeline_cpu
+
+    @staticmethod
+    def _takes(x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.dtype in DTYPES and x.stride(-1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._takes(x):
+            return super().rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._takes(x) and self._takes(residual)):
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.kernels.add_rms_norm_(x, residual, weight, eps), residual

@@ -1,0 +1,124 @@
+// RoPE on q and k, and the KV store, in one pass per token (CPU).
+//
+// Why: in plain torch RoPE is ~8 ops per layer (two muls, a negation and a cat for
+// the rotated half, the add, and a cat to join q and k heads) and the store two
+// index_copy_ calls; at decode batch sizes each is mostly dispatch. Here each
+// token's q heads are rotated in place (q is a view into the fused qkv projection, as
+// on CUDA: gpu/kernels/rotary_kv_store.py), and its k heads rotated on their way into
+// the pool beside its v heads.
+//
+// Rounding matches models/rope.py's `x * cos + rotate_half(x) * sin` op for op (two
+// products and a sum, each rounded to the dtype), so float32 results are bit-identical
+// to the torch path; the build's -ffp-contract=off keeps the compiler from fusing
+// them. Partial rotary (cos/sin narrower than head_dim) rotates the first `rot` dims
+// and passes the rest through.
+//
+// Layout: q [T, H, D], k and v [T, KVH, D] (any token/head strides, dims contiguous);
+// cos, sin [T, rot] (or [T, 1, rot]); pools [KVH, slots, D]; slot_mapping [T] int64.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// One head rotated from `src` into `dst` (they may be the same row: each pair is read
+// before either half is written).
+template <typename T>
+inline void rotate(const T* src, T* dst, const T* cos, const T* sin, int64_t rot, int64_t dim) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = widen(src[i]), b = widen(src[i + half]);
+    const T lo = T(widen(T(a * widen(cos[i]))) + widen(T(-b * widen(sin[i]))));
+    const T hi = T(widen(T(b * widen(cos[i + half]))) + widen(T(a * widen(sin[i + half]))));
+    dst[i] = lo;
+    dst[i + half] = hi;
+  }
+  if (dst != src)
+    std::memcpy(dst + rot, src + rot, sizeof(T) * (dim - rot));
+}
+
+template <typename T>
+void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+         const at::Tensor& slots) {
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k.size(1), rot = cos.size(-1), num_slots = k_cache.size(1);
+  T* qp = q.mutable_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  T* kc = k_cache.mutable_data_ptr<T>();
+  T* vc = v_cache.mutable_data_ptr<T>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  // Parallel only for long prefills (~1M elements a task): see decoder_ops.cpp's grain.
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 20) / ((heads + kv_heads) * dim)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * cs;
+      const T* s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = qp + t * q.stride(0) + h * q.stride(1);
+        rotate(row, row, c, s, rot, dim);
+      }
+      const int64_t at = slot[t];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t dst = (h * num_slots + at) * dim;
+        rotate(kp + t * k.stride(0) + h * k.stride(1), kc + dst, c, s, rot, dim);
+        std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), sizeof(T) * dim);
+      }
+    }
+  });
+}
+
+void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "q, k, v must be [T, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "k and v must be [T, kv_heads, head_dim] beside q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == k.size(1) &&
+                  k_cache.size(2) == k.size(2),
+              "pools must be contiguous [kv_heads, slots, head_dim]");
+  const int64_t rot = cos.size(-1);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                  cos.size(0) == q.size(0) && cos.numel() == q.size(0) * rot &&
+                  rot % 2 == 0 && rot <= q.size(2),
+              "cos/sin must be [T, rot] (or [T, 1, rot]) with an even rot <= head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == q.size(0),
+              "slot_mapping must be int64 [T]");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "q, k, v, cos, sin and the pools must share a dtype");
+  AT_DISPATCH_SWITCH(dtype, "rotary_kv_store_",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        run<float>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        run<c10::BFloat16>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+      }));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("rotary_kv_store_(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("rotary_kv_store_", c10::DispatchKey::CPU, TORCH_FN(rotary_kv_store_));
+}

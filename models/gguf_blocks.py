@@ -1,0 +1,119 @@
+"""A GGUF's quantized weight blocks, kept beside its dequantized checkpoint.
+
+Why: the float32 checkpoint a GGUF converts into holds exactly the values its blocks
+encode, but in 6-7x the bytes. A decode step of a few sequences is bound by how fast
+the weights stream from memory (SmolLM2 in float32: 540 MB a token), so the CPU's
+matmuls of few rows read these blocks instead and dequantize in registers
+(`gpu/kernels/cpu/quant_linear.cpp`), as llama.cpp does. The dequantized values are
+bit-identical to the float32 checkpoint's (gguf-py computes `d * q + m` in float32,
+and so does the kernel), so outputs differ from the float32 path only by summation
+order, like any two matmul libraries.
+
+Kept formats (the embedded model's): Q4_1 (32 weights in 16 bytes of nibbles, an f16
+scale `d` and minimum `m`: w = d*q + m) and Q8_0 (32 int8, one f16 scale: w = d*q).
+Other types are simply not kept: those layers use the float32 weights.
+
+On disk: `quantized/weights.safetensors` in the converted directory (a subdirectory,
+so the checkpoint loader never mistakes it for weights), per HF weight name `W`:
+`W.qweight` (uint8 [N, K/2] nibbles, or int8 [N, K]), `W.scales` and for Q4_1
+`W.mins` (float32 [N, K/32], the f16 values widened). Rows are in HF order (the Q/K
+row permutation undone like the dense tensors').
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
+
+BLOCK = 32  # weights per block, both formats
+SUBDIR, FILE = "quantized", "weights.safetensors"
+FORMATS = ("q4_1", "q8_0")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One [N, K] weight as blocks: `mins` is None for Q8_0."""
+
+    format: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    @staticmethod
+    def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row-wise concatenation (q, k, v into qkv): rows are independent."""
+        if len({p.format for p in parts}) != 1:
+            raise ValueError("cannot fuse weights quantized in different formats")
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return QuantizedWeight(parts[0].format, torch.cat([p.qweight for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins)
+
+
+def blocks_of(t: ReaderTensor, rows: int,
+              permute: Callable[[np.ndarray], np.ndarray] | None) -> dict[str, np.ndarray] | None:
+    """The arrays to keep for one GGUF tensor of `rows` rows, or None for other types.
+    `permute` reorders rows (llama.cpp's Q/K interleave undone)."""
+    kind = t.tensor_type.name.lower()
+    if kind not in FORMATS:
+        return None
+    raw = np.asarray(t.data).reshape(rows, -1)  # bytes, blocks in row order
+    per_block = 20 if kind == "q4_1" else 34
+    blocks = raw.reshape(rows, -1, per_block)
+    scales = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    if kind == "q4_1":
+        out = {"mins": blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0],
+               "qweight": blocks[..., 4:].reshape(rows, -1)}
+    else:
+        out = {"qweight": blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)}
+    out["scales"] = scales
+    if permute is not None:
+        out = {k: permute(v) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save(tensors: dict[str, dict[str, np.ndarray]], formats: dict[str, str],
+         model_dir: Path) -> None:
+    """Write the kept blocks of every HF weight name into `model_dir/quantized/`."""
+    from safetensors.torch import save_file
+
+    if not tensors:
+        return
+    flat = {f"{name}.{part}": torch.from_numpy(arr)
+            for name, parts in tensors.items() for part, arr in parts.items()}
+    (model_dir / SUBDIR).mkdir()
+    save_file(flat, str(model_dir / SUBDIR / FILE),
+              metadata={"format": "pt", "formats": json.dumps(formats)})
+    (model_dir / SUBDIR / FILE).chmod(0o644)  # a shared cache: readable by other users
+
+
+def load(model_dir: str | Path) -> dict[str, QuantizedWeight]:
+    """HF weight name -> its blocks; empty when the directory has none."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / SUBDIR / FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        return {name: QuantizedWeight(
+            fmt, f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
+            f.get_tensor(f"{name}.mins") if fmt == "q4_1" else None)
+            for name, fmt in formats.items()}

@@ -1,0 +1,83 @@
+"""The C++ CPU kernels for the steps between matmuls against `models.ops.DecoderOps`.
+
+Rows of SmolLM2's width (576, 1536) and odd ones, single rows (decode) and many (the
+kernels split rows across threads), strided inputs (a slice of a wider tensor, as a
+fused projection hands them over), float32 and bfloat16. `add_rms_norm` must leave the
+same residual behind as the reference returns. RoPE with the KV store must give the
+torch path's bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.kernels.cpu.build import cpu_kernels
+from gpu.kernels.cpu.ops import CpuDecoderOps
+from models.ops import DecoderOps
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+pytestmark = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "add_rms_norm_"),
+                                reason="C++ CPU kernels not built here")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+SHAPES = [(1, 576), (7, 576), (64, 1536), (3, 100)]
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", SHAPES)
+def test_norms_match_the_reference(rows, dim, dtype):
+    ref, ops = DecoderOps(), CpuDecoderOps(KERNELS)
+    wide = torch.randn(rows, dim + 8).to(dtype)
+    x = wide[:, 4 : 4 + dim]  # strided rows, as a slice of a fused projection
+    residual = torch.randn(rows, dim).to(dtype)
+    weight = (torch.rand(dim) + 0.5).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5),
+                               **TOL[dtype])
+    want_out, want_res = ref.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    got_out, got_res = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert got_res is residual  # updated in place, as the contract allows
+    torch.testing.assert_close(got_res, want_res, atol=0, rtol=0)  # the same rounded sum
+    torch.testing.assert_close(got_out, want_out, **TOL[dtype])
+
+
+def test_other_shapes_fall_back_to_the_reference():
+    x = torch.randn(2, 3, 8)  # 3-D rows: not the kernels' shape
+    weight = torch.ones(8)
+    ops = CpuDecoderOps(KERNELS)
+    want = DecoderOps().rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), want)
+    h = torch.randn(2, 16, dtype=torch.float64)
+    torch.testing.assert_close(ops.rms_norm(h, torch.ones(16, dtype=torch.float64), 1e-6),
+                               DecoderOps().rms_norm(h, torch.ones(16, dtype=torch.float64), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [64, 32])  # full, and partial rotary (Phi-3 style)
+def test_rotary_kv_store_matches_rotate_then_store(dtype, rot):
+    """q rotated in place inside the fused qkv rows, k rotated into the pool, v stored,
+    bit for bit what models/rope.py and two index_copy_ calls give."""
+    from models.rope import apply_rotary
+
+    tokens, heads, kv_heads, dim, slots = 5, 9, 3, 64, 40
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    angles = torch.rand(tokens, rot // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
+    slot_mapping = torch.tensor([7, 0, 39, 12, 13])
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    want_kc, want_vc = torch.zeros(kv_heads, slots, dim, dtype=dtype), None
+    want_vc = torch.zeros_like(want_kc)
+    want_kc.index_copy_(1, slot_mapping, want_k.transpose(0, 1))
+    want_vc.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    kc, vc = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
+    v_before = v.clone()
+    KERNELS.rotary_kv_store_(q, k, v, cos, sin, kc, vc, slot_mapping)
+    assert torch.equal(qkv[:, :heads], want_q)  # in place, in the fused rows
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    assert torch.equal(v, v_before)

@@ -1,0 +1,157 @@
+"""The C++ quantized linear kernels (Q4_1, Q8_0) against a float32 reference dequantizer
+and against gguf-py's own.
+
+Exactness is checked with x = identity: then every output is one weight times 1.0 plus
+zeros, so `out.T` is the kernel's dequantized weight itself and must equal the reference
+bit for bit. (With fp16 scales, as in a GGUF file, `d * q` is exact in fp32, so only the
+full-fp32-scale case can tell a fused multiply-add from a multiply then an add.)
+Random x then checks the matmul, with row counts around the 4-row tiles, the switch
+from in-register to buffered dequantization (8 rows), and output counts around the
+4-row weight groups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.kernels.cpu.build import cpu_kernels
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+BLOCK = 32
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def random_q4_1(n: int, k: int, fp16_scales: bool = True):
+    """Random Q4_1 tensors in the kernel's layout; scales and mins fp16-representable as
+    in a GGUF file, unless `fp16_scales` is False."""
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scales = torch.randn(n, k // BLOCK) * 0.05
+    mins = torch.randn(n, k // BLOCK) * 0.5
+    if fp16_scales:
+        scales, mins = scales.half().float(), mins.half().float()
+    return qweight, scales, mins
+
+
+def random_q8_0(n: int, k: int):
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = (torch.randn(n, k // BLOCK) * 0.01).half().float()
+    return qweight, scales
+
+
+def dequant_q4_1(qweight, scales, mins) -> torch.Tensor:
+    """Float32, as gguf-py's numpy: `(d * q) + m`, two ops, two roundings (torch's CPU
+    elementwise ops do not fuse)."""
+    n = qweight.shape[0]
+    blocks = qweight.view(n, -1, 16)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=2).float()  # GGML order: lows, highs
+    return (scales[:, :, None] * q + mins[:, :, None]).reshape(n, -1)
+
+
+def dequant_q8_0(qweight, scales) -> torch.Tensor:
+    n = qweight.shape[0]
+    return (qweight.view(n, -1, BLOCK).float() * scales[:, :, None]).reshape(n, -1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 576])
+def test_dequantization_is_bit_exact(k) -> None:
+    """Through both paths: a few rows (dequantized in registers) and many (a buffer)."""
+    eye = torch.eye(k)
+    q4, q8 = random_q4_1(70, k), random_q8_0(70, k)
+    w4, w8 = dequant_q4_1(*q4), dequant_q8_0(*q8)
+    for rows in (slice(0, 5), slice(None)):
+        assert torch.equal(KERNELS.q4_1_linear(eye[rows], *q4).T, w4[:, rows])
+        assert torch.equal(KERNELS.q8_0_linear(eye[rows], *q8).T, w8[:, rows])
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 576])
+def test_q4_1_multiply_then_add_with_full_fp32_scales(k) -> None:
+    """With fp16 scales `d * q` is exact in fp32 (11 + 4 significant bits), so a fused
+    multiply-add would go unnoticed above. Full fp32 scales make the product round: the
+    kernel must round it, then add, as numpy does (the build's -ffp-contract=off)."""
+    q4 = random_q4_1(70, k, fp16_scales=False)
+    assert torch.equal(KERNELS.q4_1_linear(torch.eye(k), *q4).T, dequant_q4_1(*q4))
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 17, 64])
+def test_matmul_matches_fp32(m, k) -> None:
+    n = 70  # not a multiple of the 4-row weight groups
+    x = torch.randn(m, k)
+    q4 = random_q4_1(n, k)
+    out = KERNELS.q4_1_linear(x, *q4)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ dequant_q4_1(*q4).T, rtol=1e-5, atol=1e-4)
+    q8 = random_q8_0(n, k)
+    torch.testing.assert_close(KERNELS.q8_0_linear(x, *q8), x @ dequant_q8_0(*q8).T,
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_x_with_a_row_stride() -> None:
+    """x may be a view into a wider buffer (e.g. one part of a fused projection)."""
+    wide = torch.randn(5, 2 * 64)
+    x = wide[:, 32:96]
+    assert not x.is_contiguous()
+    q4 = random_q4_1(9, 64)
+    torch.testing.assert_close(KERNELS.q4_1_linear(x, *q4), x @ dequant_q4_1(*q4).T,
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_bad_shapes_are_refused() -> None:
+    q4 = random_q4_1(8, 64)
+    with pytest.raises(RuntimeError, match="x has K"):
+        KERNELS.q4_1_linear(torch.randn(2, 32), *q4)
+    with pytest.raises(RuntimeError, match="float32"):
+        KERNELS.q4_1_linear(torch.randn(2, 64).double(), *q4)
+    with pytest.raises(RuntimeError, match="mins"):
+        KERNELS.q4_1_linear(torch.randn(2, 64), q4[0], q4[1], q4[2][:, :1])
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        KERNELS.q8_0_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8),
+                            torch.zeros(4, 1))
+    with pytest.raises(RuntimeError, match="int8"):
+        KERNELS.q8_0_linear(torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8),
+                            torch.zeros(4, 2))
+
+
+def gguf_blocks_q4_1(qweight, scales, mins) -> np.ndarray:
+    """Raw GGML Q4_1 bytes: per block f16 d, f16 m, 16 qs bytes."""
+    n, nb = scales.shape
+    d = scales.half().numpy().reshape(n, nb, 1).view(np.uint8)
+    m = mins.half().numpy().reshape(n, nb, 1).view(np.uint8)
+    qs = qweight.numpy().reshape(n, nb, 16)
+    return np.concatenate([d, m, qs], axis=2).reshape(n, -1)
+
+
+def gguf_blocks_q8_0(qweight, scales) -> np.ndarray:
+    n, nb = scales.shape
+    d = scales.half().numpy().reshape(n, nb, 1).view(np.uint8)
+    qs = qweight.numpy().view(np.uint8).reshape(n, nb, BLOCK)
+    return np.concatenate([d, qs], axis=2).reshape(n, -1)
+
+
+@needs_kernels
+def test_matches_gguf_dequantizer_bit_for_bit() -> None:
+    """The served fp32 weights come from gguf-py; the kernel must reproduce them."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    k = 576
+    eye = torch.eye(k)
+    q4 = random_q4_1(37, k)
+    ref = dequantize(gguf_blocks_q4_1(*q4), gguf.GGMLQuantizationType.Q4_1)
+    assert ref.shape == (37, k) and ref.dtype == np.float32
+    assert torch.equal(KERNELS.q4_1_linear(eye, *q4).T, torch.from_numpy(ref))
+    q8 = random_q8_0(37, k)
+    ref = dequantize(gguf_blocks_q8_0(*q8), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(KERNELS.q8_0_linear(eye, *q8).T, torch.from_numpy(ref))

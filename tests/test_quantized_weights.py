@@ -1,0 +1,135 @@
+"""The GGUF's quantized blocks kept beside its float32 checkpoint, and the model reading
+them for few-row matmuls on CPU (`models/gguf_blocks.py`, `gpu/cpu_linear.py`).
+
+The blocks must decode to the checkpoint's float32 weights bit for bit (Q/K rows
+un-permuted like the dense ones), fused layers (qkv, gate_up) must stack their HF parts
+in the right order, and a real SmolLM2 forward through the blocks must agree with the
+float32 path (summation order aside) and pick the same greedy tokens. The end-to-end
+greedy parity with transformers (test_smollm2.py) runs through this path too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpu.cpu_linear import QUANTIZED_MAX_ROWS, PackedLinear, pack_linears
+from gpu.kernels.cpu.build import cpu_kernels
+from models import gguf_blocks
+from models.config import ModelConfig
+from models.decoder import DecoderForCausalLM
+from models.weights import iter_safetensors
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "q4_1_linear"),
+                                   reason="C++ CPU kernels not built here")
+
+
+def dequantize(q: gguf_blocks.QuantizedWeight) -> torch.Tensor:
+    """gguf-py's arithmetic in torch float32: d * q (+ m), two separate roundings."""
+    rows = q.out_features
+    if q.format == "q4_1":
+        nibbles = q.qweight.view(rows, -1, 16)
+        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).float()  # GGML order
+        return (q.scales[..., None] * values + q.mins[..., None]).reshape(rows, -1)
+    return (q.qweight.view(rows, -1, 32).float() * q.scales[..., None]).reshape(rows, -1)
+
+
+def test_blocks_decode_to_the_checkpoint_exactly(smollm2_dir):
+    blocks = gguf_blocks.load(smollm2_dir)
+    dense = dict(iter_safetensors(smollm2_dir, torch.float32))
+    # SmolLM2's GGUF: every linear weight Q4_1, the tied embedding Q8_0.
+    assert len(blocks) == 30 * 7 + 1
+    assert blocks["model.embed_tokens.weight"].format == "q8_0"
+    assert {q.format for n, q in blocks.items() if "layers" in n} == {"q4_1"}
+    for name, q in blocks.items():
+        assert torch.equal(dequantize(q), dense[name]), name
+
+
+def load_model(model_dir):
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg, max_positions=256)
+    model = model.to_empty(device="cpu")
+    model.rotary = model.make_rotary(256)
+    model.load_weights(iter_safetensors(model_dir, torch.float32))
+    return model.eval()
+
+
+class _Context:
+    """Attention over the new tokens only (causal), enough to compare two models' linears."""
+    rotates = False
+
+    def attend(self, layer_idx, q, k, v, window, rotary):
+        t, heads, dim = q.shape
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return o.transpose(0, 1)
+
+
+@needs_kernels
+def test_model_reads_blocks_for_few_rows_and_agrees(smollm2_dir):
+    reference = load_model(smollm2_dir)
+    model = load_model(smollm2_dir)
+    extra = pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert all(m.quantized is not None and m.plain is None for m in layers)
+    assert model.layers[0].self_attn.qkv_proj.quantized.out_features == 576 + 2 * 192
+    assert extra > 0
+    ctx = _Context()
+    most = QUANTIZED_MAX_ROWS["q4_1"]
+    for rows in (1, 5, most, most + 1):  # blocks (the head: packed from 17), then packed
+        ids = torch.randint(0, 49152, (rows,))
+        pos = torch.arange(rows)
+        with torch.inference_mode():
+            want = reference.compute_logits(reference(ids, pos, ctx))
+            got = model.compute_logits(model(ids, pos, ctx))
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_kernels
+def test_fused_parts_stack_in_row_order(smollm2_dir):
+    """qkv_proj's blocks are q, k, v's in that order: the layer's output through the
+    blocks matches F.linear on the fused float32 weight, rows of every part."""
+    model = load_model(smollm2_dir)
+    weight = model.layers[3].self_attn.qkv_proj.weight.detach().clone()
+    gate_up = model.layers[3].mlp.gate_up_proj.weight.detach().clone()
+    pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
+    x = torch.randn(3, 576)
+    for layer, w in ((model.layers[3].self_attn.qkv_proj, weight),
+                     (model.layers[3].mlp.gate_up_proj, gate_up)):
+        torch.testing.assert_close(layer(x), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_without_kernels_or_blocks_nothing_changes(smollm2_dir):
+    model = load_model(smollm2_dir)
+    pack_linears(model, gguf_blocks.load(smollm2_dir), kernels=None)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.quantized is None and m.plain is not None for m in layers)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+@needs_kernels
+def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
+    """MBU must not be computed against fp32 weights a step never read."""
+    from gpu.cpu_linear import quantized_reads
+    from gpu.roofline import ModelCost
+
+    model = load_model(smollm2_dir)
+    pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
+    reads = quantized_reads(model)
+    assert (reads.layer_max_rows, reads.head_max_rows) == (32, 16)
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    dense, blocks = ModelCost.from_config(cfg, 4), ModelCost.from_config(cfg, 4, blocks=reads)
+    one, many = blocks.decode(1, 100), blocks.decode(64, 100)
+    # ~0.75 bytes a layer weight and ~1.06 a head weight instead of 4.
+    assert one.bytes_read < dense.decode(1, 100).bytes_read / 4
+    assert one.flops == dense.decode(1, 100).flops
+    assert many.bytes_read == dense.decode(64, 100).bytes_read
+    head_only = blocks.decode(20, 100).bytes_read - dense.decode(20, 100).bytes_read
+    assert head_only == reads.layer_bytes - reads.layer_params * 4  # head dense past 16
