@@ -14,7 +14,7 @@ Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): in
 calls of up to `QUANTIZED_MAX_ROWS` rows (by format) read the blocks through the C++ kernel
 (`gpu/kernels/cpu/quant_linear.cpp`) instead of the plain weight, which is then not
 kept. Decode of a few sequences streams every weight once per token, so the bytes
-read are the step's cost: ~96 MB of blocks instead of 540 MB for SmolLM2. The blocks'
+read are the step's cost: ~110 MB of blocks instead of 540 MB for SmolLM2. The blocks'
 values are the fp32 weights' bit for bit; only the summation order differs.
 
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
