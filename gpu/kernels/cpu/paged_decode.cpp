@@ -46,11 +46,29 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * len;
-    float m = s[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    float m = s[0], sum = 0.f;
+    int64_t t = 0;
+#ifdef __AVX512F__
+    const int64_t whole = len - len % 16;
+    if (whole > 0) {
+      __m512 mv = _mm512_loadu_ps(s);
+      for (t = 16; t < whole; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+      m = _mm512_reduce_max_ps(mv);
+    }
+    for (t = whole; t < len; ++t) m = std::max(m, s[t]);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (t = 0; t < whole; t += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
+      _mm512_storeu_ps(s + t, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    sum = _mm512_reduce_add_ps(sv);
+#else
+    for (t = 1; t < len; ++t) m = std::max(m, s[t]);
+    t = 0;
+#endif
+    for (; t < len; ++t) {
       s[t] = exp_nonpositive(s[t] - m);
       sum += s[t];
     }
@@ -139,6 +157,31 @@ void scores_pass(const float* q, const T* k, const int32_t* table, int64_t first
   });
 }
 
+#ifdef __AVX512F__
+// acc[g0 .. g0+GN) x [d0, d0+64) += sum over the run's `count` keys of p * v, kept in
+// GN x 4 registers for the whole run.
+template <int GN, typename T>
+inline void values_tile(const float* probs, const T* rows, int64_t at, int64_t count,
+                        int64_t g0, int64_t d0, int64_t D, float* acc, int64_t len) {
+  __m512 a[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + d0 + 16 * j);
+  for (int64_t t = 0; t < count; ++t) {
+    const T* r = rows + t * D + d0;
+    const __m512 v0 = load16(r), v1 = load16(r + 16), v2 = load16(r + 32), v3 = load16(r + 48);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + at + t]);
+      a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);
+}
+#endif
+
 template <typename T>
 void values_pass(const float* probs, const T* v, const int32_t* table, int64_t first, int64_t n,
                  int64_t block_size, int64_t G, int64_t D, float* acc, int64_t len) {
@@ -146,6 +189,23 @@ void values_pass(const float* probs, const T* v, const int32_t* table, int64_t f
   for_each_run(table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
     const T* rows = v + slot * D;
 #ifdef __AVX512F__
+    if (D % 64 == 0) {
+      // Tiles of up to 4 heads x 64 dims, 16 accumulator registers: each value row is
+      // loaded once for the tile's heads, and the FMAs into different registers do not
+      // wait on each other (one accumulator per head and 16 dims made every FMA wait
+      // for the previous one: ~4x slower, measured).
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 4: values_tile<4>(probs, rows, at, count, g0, d0, D, acc, len); break;
+            case 3: values_tile<3>(probs, rows, at, count, g0, d0, D, acc, len); break;
+            case 2: values_tile<2>(probs, rows, at, count, g0, d0, D, acc, len); break;
+            default: values_tile<1>(probs, rows, at, count, g0, d0, D, acc, len); break;
+          }
+        }
+      }
+      return;
+    }
     if (D % 16 == 0) {
       // One accumulator register per (head, 16 dims) across the run; the run's values
       // are re-read per head from L1.
