@@ -12,21 +12,13 @@ the model runs in (its dtype, its torch threads):
   path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau).
 
 Measured once per process and device: the engines of one process (tests) share it.
-On CPU the figures are also kept for a day in the model cache (`cpu_peaks.json`, per
-CPU model, thread count and dtype): the probe is 0.4-0.8 s of a ~5 s start, and a busy
-host moves it by 2x anyway, so a later start reuses it (the log says when it was
-measured; delete the file to measure again).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +29,6 @@ log = logging.getLogger("ridgeline.peaks")
 
 MiB = 1 << 20
 _MEASURED: dict[tuple, DevicePeaks] = {}
-CPU_PEAKS_MAX_AGE_S = 24 * 3600
 
 
 def _sync(device: torch.device) -> None:
@@ -73,9 +64,6 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int =
     key = (str(device), dtype, torch.get_num_threads())
     if key in _MEASURED:
         return _MEASURED[key]
-    if device.type == "cpu" and (kept := _kept_cpu_peaks(dtype)) is not None:
-        _MEASURED[key] = kept
-        return kept
     t_start = time.perf_counter()
     n = copy_buffer_bytes(device, weights_bytes)
     copy_s = _copy_seconds(device, n)
@@ -90,55 +78,7 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int =
         how=f"measured in {time.perf_counter() - t_start:.2f} s: a {n // MiB} MiB copy, "
             f"a {m}x{m}x{m} {name} matmul{threads}")
     _MEASURED[key] = peaks
-    if device.type == "cpu":
-        _keep_cpu_peaks(dtype, peaks)
     return peaks
-
-
-def _cpu_peaks_file() -> Path:
-    from models.resolve import cache_root
-
-    return cache_root() / "cpu_peaks.json"
-
-
-def _host_key(dtype: torch.dtype) -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}|{torch.backends.cpu.get_cpu_capability()}|" \
-           f"{torch.get_num_threads()} threads|{dtype}"
-
-
-def _kept_cpu_peaks(dtype: torch.dtype) -> DevicePeaks | None:
-    try:
-        entry = json.loads(_cpu_peaks_file().read_text())[_host_key(dtype)]
-        if time.time() - entry["at"] > CPU_PEAKS_MAX_AGE_S:
-            return None
-        peaks = DevicePeaks(**entry["peaks"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(entry["at"]))
-    return DevicePeaks(peaks.bandwidth, peaks.flops, peaks.device, peaks.dtype,
-                       f"{peaks.how.split(';')[0]}; kept from {when} "
-                       f"({_cpu_peaks_file()}; delete it to measure again)")
-
-
-def _keep_cpu_peaks(dtype: torch.dtype, peaks: DevicePeaks) -> None:
-    path = _cpu_peaks_file()
-    try:
-        kept = json.loads(path.read_text()) if path.is_file() else {}
-        kept[_host_key(dtype)] = {"at": time.time(), "peaks": asdict(peaks)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-        tmp.write_text(json.dumps(kept, indent=1))
-        tmp.replace(path)  # atomic: a concurrent start never reads half a file
-    except (OSError, ValueError, TypeError):
-        log.debug("could not keep the CPU peaks in %s", path)
 
 
 def _copy_seconds(device: torch.device, n: int) -> float:

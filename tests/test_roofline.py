@@ -111,23 +111,6 @@ def test_peaks_are_measured_once_per_process():
     assert measure_peaks(torch.device("cpu"), torch.float32) is t0
 
 
-def test_cpu_peaks_are_kept_for_later_starts(tmp_path, monkeypatch):
-    """A new process (an empty in-process memo) reuses the host's figures for a day."""
-    from gpu import peaks as peaks_mod
-
-    monkeypatch.setenv("RIDGELINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(peaks_mod, "_MEASURED", {})
-    first = measure_peaks(torch.device("cpu"), torch.float32)
-    assert (tmp_path / "cpu_peaks.json").is_file()
-    monkeypatch.setattr(peaks_mod, "_MEASURED", {})
-    again = measure_peaks(torch.device("cpu"), torch.float32)
-    assert (again.bandwidth, again.flops) == (first.bandwidth, first.flops)
-    assert "kept from" in again.how and "delete it" in again.how
-    monkeypatch.setattr(peaks_mod, "_MEASURED", {})
-    monkeypatch.setattr(peaks_mod, "CPU_PEAKS_MAX_AGE_S", -1)  # too old: measured again
-    assert "kept from" not in measure_peaks(torch.device("cpu"), torch.float32).how
-
-
 def _stats(prompt: int, gen: int, seconds: float, flops: int, read: int) -> StepStats:
     return StepStats(prompt_tokens=prompt, generation_tokens=gen, model_seconds=seconds,
                      flops=flops, bytes_read=read, bytes_written=0)
