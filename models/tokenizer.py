@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str],
                    chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """The fast (Rust) tokenizer saved in `model_dir`, with `chat_template` (a file's path
     or the Jinja text itself) replacing the tokenizer's own when given."""
-    tokenizer = _named_class(Path(model_dir)) or AutoTokenizer
+    tokenizer = _named_class(Path(model_dir))
+    if tokenizer is None:  # imported only here: ~0.5 s of every start otherwise
+        from transformers import AutoTokenizer as tokenizer
     tokenizer = tokenizer.from_pretrained(str(model_dir))
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
