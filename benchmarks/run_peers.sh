@@ -17,7 +17,8 @@
 #               64 out, 16 at a time
 #    Each (shape, client) has its own seed, the same for both servers, so both servers see
 #    the same prompts and no shape finds another shape's prompts in a prefix cache.
-# Override with environment variables: DTYPE, SHAPES, CLIENTS, SERVERS, OFFLINE, OUT, MODEL_DIR, VLLM_VENV, ...
+# Override with environment variables: DTYPE, SHAPES, CLIENTS, SERVERS, OFFLINE, OUT, MODEL_DIR, VLLM_VENV,
+# RIDGELINE_FLAGS (extra engine flags for Ridgeline, e.g. --no-cpu-quantized-matmul), ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,12 +27,13 @@ VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 MODEL_DIR=${MODEL_DIR:-benchmarks/.model-smollm2}
 OUT=${OUT:-bench_results/peers}
 DTYPE=${DTYPE:-bfloat16}
-SHAPES=${SHAPES:-conc32 poisson2 conc1 chat}
+SHAPES=${SHAPES-conc32 poisson2 conc1 chat}  # empty: no online shapes
 CLIENTS=${CLIENTS:-vllm ridgeline}
 OFFLINE=${OFFLINE:-1}
 SERVERS=${SERVERS:-ridgeline vllm}
 RIDGELINE_PORT=${RIDGELINE_PORT:-8100}
 VLLM_PORT=${VLLM_PORT:-8200}
+read -r -a RIDGELINE_EXTRA <<< "${RIDGELINE_FLAGS:-}"
 SERVED_NAME=smollm2
 # vLLM's CPU backend: pin its OpenMP threads to this machine's two cores, and give its
 # KV cache a fixed size (GiB).
@@ -129,13 +131,13 @@ bench_online() {
 run_ridgeline() {
   if [[ $OFFLINE == 1 ]]; then
     log "Ridgeline offline (LLM.generate)"
-    ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" \
+    ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" "${RIDGELINE_EXTRA[@]}" \
       --num-prompts 64 --input-len 128 --output-len 128 \
       --output-json "$OUT/ridgeline_offline.json"
   fi
   log "Ridgeline online (ridgeline serve)"
   ridgeline serve --model "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \
-    --port "$RIDGELINE_PORT" > "$OUT/ridgeline_server.log" 2>&1 &
+    "${RIDGELINE_EXTRA[@]}" --port "$RIDGELINE_PORT" > "$OUT/ridgeline_server.log" 2>&1 &
   local pid=$!
   SERVER_PIDS+=("$pid")
   wait_healthy ridgeline "http://127.0.0.1:$RIDGELINE_PORT" "$pid" 180

@@ -3,8 +3,8 @@
 Rows of SmolLM2's width (576, 1536) and odd ones, single rows (decode) and many (the
 kernels split rows across threads), strided inputs (a slice of a wider tensor, as a
 fused projection hands them over), float32 and bfloat16. `add_rms_norm` must leave the
-same residual behind as the reference returns. RoPE with the KV store must give the
-torch path's bits.
+same residual behind as the reference returns; SiLU-and-mul covers both tails of the
+sigmoid and vector tails. RoPE with the KV store must give the torch path's bits.
 """
 
 from __future__ import annotations
@@ -45,12 +45,22 @@ def test_norms_match_the_reference(rows, dim, dtype):
     torch.testing.assert_close(got_out, want_out, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (33, 1536), (5, 50)])
+def test_silu_and_mul_matches_the_reference(rows, inter, dtype):
+    gate_up = (torch.randn(rows, 2 * inter) * 6).to(dtype)  # both tails of the sigmoid
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    got = CpuDecoderOps(KERNELS).silu_and_mul(gate_up)
+    torch.testing.assert_close(got, DecoderOps().silu_and_mul(gate_up), **TOL[dtype])
+
+
 def test_other_shapes_fall_back_to_the_reference():
     x = torch.randn(2, 3, 8)  # 3-D rows: not the kernels' shape
     weight = torch.ones(8)
     ops = CpuDecoderOps(KERNELS)
     want = DecoderOps().rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), want)
+    torch.testing.assert_close(ops.silu_and_mul(x), DecoderOps().silu_and_mul(x))
     h = torch.randn(2, 16, dtype=torch.float64)
     torch.testing.assert_close(ops.rms_norm(h, torch.ones(16, dtype=torch.float64), 1e-6),
                                DecoderOps().rms_norm(h, torch.ones(16, dtype=torch.float64), 1e-6))

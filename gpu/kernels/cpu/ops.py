@@ -4,9 +4,9 @@ behind the interface of `models.ops.DecoderOps` (plain torch, the reference).
 The runner hands this to the model on CPU when the kernels are built: each norm, each
 residual add with its norm becomes one call instead of six or seven torch ops, which at
 decode batch sizes is where a step's time between matmuls goes (RoPE joins the KV
-store in the attention backend). SiLU-and-mul stays torch's: its two vectorised ops
-beat a C++ loop GCC would not vectorise (the polynomial exp in a select). Shapes or
-dtypes the kernels do not take fall back to the reference.
+store in the attention backend); SiLU-and-mul is one pass instead of two (at one
+thread: 3 us against 8 at one row, 3.7 ms against 4.7 at 2048). Shapes or dtypes the
+kernels do not take fall back to the reference.
 """
 
 from __future__ import annotations
@@ -36,3 +36,8 @@ class CpuDecoderOps(DecoderOps):
         if not (self._takes(x) and self._takes(residual)):
             return super().add_rms_norm(x, residual, weight, eps)
         return self.kernels.add_rms_norm_(x, residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self._takes(gate_up):
+            return super().silu_and_mul(gate_up)
+        return self.kernels.silu_and_mul(gate_up)
