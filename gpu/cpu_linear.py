@@ -60,6 +60,9 @@ class PackedLinear(nn.Module):
         self.quantized = quantized if fp32 and kernels is not None else None
         self._quantized_op = (getattr(kernels, f"{quantized.format}_linear")
                               if self.quantized is not None else None)
+        q = self.quantized  # the op's block arguments, bound once rather than per call
+        self._quantized_args = () if q is None else tuple(
+            t for t in (q.qweight, q.scales, q.mins) if t is not None)
         self.quantized_max_rows = (QUANTIZED_MAX_ROWS[quantized.format]
                                    if self.quantized is not None else 0)
         self.plain = weight if fp32 and self.quantized is None else None
@@ -67,9 +70,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows <= self.quantized_max_rows:
-            q = self.quantized
-            out = self._quantized_op(x.reshape(rows, self.in_features), q.qweight, q.scales,
-                                     *([q.mins] if q.mins is not None else []))
+            out = self._quantized_op(x.reshape(rows, self.in_features), *self._quantized_args)
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows < PACKED_MIN_ROWS:
             return F.linear(x, self.plain)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "reduce.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -81,22 +82,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums sharing their shuffles
-// (~9 instructions where four _mm512_reduce_add_ps take ~32).
-inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  // per 128-bit lane: [a0 a1 a0 a1] and [a2 a3 a2 a3] partial sums
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  // per 128-bit lane: [a0 a1 a2 a3]
-  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
-  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
-  const __m256 half = _mm256_add_ps(
-      _mm512_castps512_ps256(s),
-      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 #endif
 

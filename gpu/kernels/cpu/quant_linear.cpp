@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "reduce.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -121,20 +123,6 @@ struct Q8_0 {
 };
 
 #ifdef __AVX512F__
-// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums sharing their shuffles
-// (the same trick as paged_decode.cpp's; each file is its own translation unit).
-inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
-  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
-  const __m256 half = _mm256_add_ps(
-      _mm512_castps512_ps256(s),
-      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 // Writes one x row's kRows sums: columns [0, cols) of them.
 inline void store_sums(__m128 sums, float* out, int64_t cols) {
   if (cols == kRows)
