@@ -282,6 +282,8 @@ class ModelRunner:
         rows = len(batch.sample_indices) + sum(len(p.targets) for p in batch.prompt_logprobs)
         result.cost = self.cost.step(batch.query_lens, batch.context_lens, rows,
                                      time.perf_counter() - t0)
+        if self.governor is not None:
+            self.governor.step_done()
         return result
 
     def _execute(self, batch: Batch) -> StepResult:

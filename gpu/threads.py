@@ -8,6 +8,13 @@ number is right for a shared host, so by default the model thread asks, every fe
 seconds, how much CPU everything else on the host used (/proc/stat, less this
 process's own /proc/self/stat), and runs on the cores left. `--torch-threads N` fixes
 the number instead. Off Linux (no /proc) it keeps torch's default.
+
+Only time the engine spent stepping counts. What the host did while the engine sat
+idle says little about the next steps: before a benchmark's first request its client
+starts up (imports, a tokenizer, prompts) on a core we were not using, and counting
+that dropped the first 2048-token prefill to one thread (4.7 s instead of 2.4 s, every
+shape of `benchmarks/run_peers.sh`). So the first step after an idle gap starts a
+fresh window instead of deciding on one that spans the gap.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ log = logging.getLogger("ridgeline.threads")
 CHECK_EVERY_S = 2.0
 # A core counts as taken when others used at least this much of one over a check.
 TAKEN = 0.5
+# Longer than this between one step's end and the next one's start: the engine was idle.
+IDLE_GAP_S = 0.5
 
 
 def host_busy_ticks() -> int:
@@ -62,6 +71,7 @@ class ThreadGovernor:
         self._set = set_threads
         self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = (clock(), host(), own())
+        self._step_end = clock()  # idle until the first step
 
     @classmethod
     def for_this_host(cls) -> ThreadGovernor | None:
@@ -80,8 +90,16 @@ class ThreadGovernor:
         self._last = (now, host, own)
         return max(0.0, (host - last_host) - (own - last_own)) / self._hz / (now - last_t)
 
+    def step_done(self) -> None:
+        """After each step, on the model thread: when the engine went idle, if it does."""
+        self._step_end = self._clock()
+
     def tick(self) -> None:
-        """Once per step, on the model thread: adjust the thread count if the host changed."""
+        """Before each step, on the model thread: adjust the thread count if the host
+        changed; after an idle gap, only start a new window."""
+        if self._clock() - self._step_end > IDLE_GAP_S:
+            self._last = (self._clock(), self._host(), self._own())
+            return
         busy = self.others_busy()
         if busy is None:
             return
