@@ -43,6 +43,27 @@ def test_step_time_model_learns_a_linear_cost():
     assert model.predict(100, 10) == pytest.approx(0.010 + 0.1 + 0.02, rel=0.02)
 
 
+def test_step_time_model_survives_a_long_run_of_single_decodes():
+    """Thousands of one-sequence decodes (tokens = seqs = 1) say nothing to split a fixed
+    cost from a per-sequence one; forgetting must not blow that direction up until the
+    fit breaks on the next load (run_peers: chat after conc1 shed 32 of 64 requests)."""
+    import numpy as np
+
+    def cost(tokens: int, seqs: int) -> float:
+        return 0.015 + 0.0009 * tokens + 0.002 * seqs
+
+    model = StepTimeModel()
+    for _ in range(250):
+        model.observe(32, 32, cost(32, 32))
+    for i in range(3000):
+        tokens = 128 if i % 128 == 0 else 1  # a prompt now and then, one sequence
+        model.observe(tokens, 1, cost(tokens, 1))
+    assert np.linalg.eigvalsh(np.array(model.p)).max() <= 1e3 * (1 + 1e-9)
+    for _ in range(20):  # then sixteen sequences decode
+        model.observe(16, 16, cost(16, 16))
+    assert model.predict(848, 17) == pytest.approx(cost(848, 17), rel=0.05)
+
+
 def test_arrival_refused_when_the_predicted_wait_passes_the_deadline():
     ctl = trained()
     now = 1000.0

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from app.engine.errors import QueueFull
 from app.engine.request import Request, RequestSLO
 
 # Exponential forgetting per observation: the model follows the last few hundred steps.
 FORGET = 0.98
+# The prior's variance, and the most any direction of the estimate's covariance may reach.
+P_MAX = 1e3
 # Prefill tokens a step may always take, so waiting requests progress under any TPOT target.
 MIN_PREFILL_CHUNK = 16
 
@@ -45,11 +49,20 @@ class StepTimeModel:
     Three numbers are enough: a fixed cost per step (launches, Python), a cost per
     token (weights are read once per step, but activations and attention grow with
     tokens), and a cost per sequence (sampling, attention setup).
+
+    Forgetting divides the covariance `p` by FORGET every step, also along directions
+    the steps do not vary in: a long run of one-sequence decodes (tokens = seqs = 1)
+    never tells a fixed cost from a per-sequence one, so that direction grew by
+    1/0.98 a step — to ~1e21 over 3000 steps, where rounding left `p` no longer
+    positive definite and the fit went wild on the next load. (In `run_peers.sh`,
+    after conc1, the chat load had 32 of 64 requests shed as unable to start within
+    600 s.) So no direction of `p` may exceed the prior's variance: the model is never
+    less sure than before it saw a step (eigenvalues clipped at P_MAX).
     """
 
     def __init__(self) -> None:
         self.theta = [0.0, 0.0, 0.0]
-        self.p = [[1e3 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.p = [[P_MAX if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.samples = 0
 
     def observe(self, tokens: int, seqs: int, seconds: float) -> None:
@@ -60,6 +73,9 @@ class StepTimeModel:
         err = seconds - sum(t * v for t, v in zip(self.theta, x))
         self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
         self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(3)] for i in range(3)]
+        if sum(self.p[i][i] for i in range(3)) > P_MAX:  # some direction may be past it
+            values, vectors = np.linalg.eigh(np.array(self.p))
+            self.p = (vectors * np.minimum(values, P_MAX) @ vectors.T).tolist()
         self.samples += 1
 
     @property
