@@ -204,9 +204,11 @@ run_all() {
       for name in "${order[@]}"; do
         bench_one "$name" "$(url_of "$name")" "$shape" "$client" "$seed"
       done
-      # The other server goes first next time.
+      # The other server goes first next time,
       order=("${order[@]:1}" "${order[0]}")
     done
+    # and once more per shape, so each client sees both orders across the shapes.
+    order=("${order[@]:1}" "${order[0]}")
   done
   local pid
   for pid in "${SERVER_PIDS[@]}"; do stop_server "$pid"; done
