@@ -37,8 +37,10 @@ log = logging.getLogger("ridgeline.cpu_linear")
 PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # fp32: up to this many rows run faster on the quantized blocks than on either fp32
 # weight (benchmarks/cpu_quant_linear_ab.py: every SmolLM2 layer shape wins at 32 rows
-# by 0.66-0.88x and loses at 64; the Q8_0 LM head wins at 16 by 0.62x, ties at 32).
-QUANTIZED_MAX_ROWS = {"q4_1": 32, "q8_0": 16}
+# by 0.66-0.88x and loses at 64. The Q8_0 LM head, timed alone with the caches flushed
+# between calls as in a step: 0.67x at 16 rows, 0.76-0.85x at 32, 0.91-0.96x at 48,
+# 0.99-1.08x at 64; a whole decode step of 24-32 rows 0.95-0.97x with it at 32.)
+QUANTIZED_MAX_ROWS = {"q4_1": 32, "q8_0": 32}
 
 
 def _packing_available() -> bool:
