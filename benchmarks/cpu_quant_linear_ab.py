@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpu.cpu_linear import PanelBlocks
 from gpu.kernels.cpu.build import cpu_kernels
+from models.gguf_blocks import QuantizedWeight
 
 LAYERS = 30
 BLOCK = 32
@@ -38,12 +40,12 @@ BLOCK = 32
 SHAPES = {"qkv": (960, 576, "q4_1"), "o_proj": (576, 576, "q4_1"),
           "gate_up": (3072, 576, "q4_1"), "down": (576, 1536, "q4_1"),
           "lm_head": (49152, 576, "q8_0")}
-ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
+ROWS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
 VARIANTS = ("plain", "packed", "quant")
 
 
 def random_weight(n: int, k: int, fmt: str):
-    """Quantized tensors in the kernels' layout and their exact fp32 dequantization."""
+    """Quantized tensors in the GGUF's row order and their exact fp32 dequantization."""
     nb = k // BLOCK
     scales = (torch.randn(n, nb) * 0.02).half().float()
     if fmt == "q4_1":
@@ -68,6 +70,7 @@ def build_model(kernels):
             model[v][name] = []
         for _ in range(copies):
             q, w = random_weight(n, k, fmt)
+            q = (*PanelBlocks.of(QuantizedWeight(fmt, *q, *(None,) * (3 - len(q)))).tensors, n)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             model["plain"][name].append(lambda x, w=w: F.linear(x, w))
             model["packed"][name].append(

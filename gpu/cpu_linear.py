@@ -12,10 +12,11 @@ it does not. Measured per layer shape (SmolLM2, docs/benchmarks.md):
 
 Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): in fp32,
 calls of up to `QUANTIZED_MAX_ROWS` rows (by format) read the blocks through the C++ kernel
-(`gpu/kernels/cpu/quant_linear.cpp`) instead of the plain weight, which is then not
-kept. Decode of a few sequences streams every weight once per token, so the bytes
-read are the step's cost: ~110 MB of blocks instead of 540 MB for SmolLM2. The blocks'
-values are the fp32 weights' bit for bit; only the summation order differs.
+(`gpu/kernels/cpu/quant_linear.cpp`, in its panel layout: `PanelBlocks`) instead of
+the plain weight, which is then not kept. Decode streams every weight once per step,
+so the bytes read are much of the step's cost: ~110 MB of blocks instead of 540 MB for
+SmolLM2. The blocks' values are the fp32 weights' bit for bit; only the summation
+order differs.
 
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
@@ -24,6 +25,7 @@ correctness never depends on it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +37,49 @@ from models.gguf_blocks import QuantizedWeight
 log = logging.getLogger("ridgeline.cpu_linear")
 
 PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
-# fp32: up to this many rows run faster on the quantized blocks than on either fp32
-# weight (benchmarks/cpu_quant_linear_ab.py: every SmolLM2 layer shape wins at 32 rows
-# by 0.66-0.88x and loses at 64. The Q8_0 LM head, timed alone with the caches flushed
-# between calls as in a step: 0.67x at 16 rows, 0.76-0.85x at 32, 0.91-0.96x at 48,
-# 0.99-1.08x at 64; a whole decode step of 24-32 rows 0.95-0.97x with it at 32.)
-QUANTIZED_MAX_ROWS = {"q4_1": 32, "q8_0": 32}
+# fp32: up to this many rows run faster on the quantized blocks than on oneDNN's packed
+# fp32 weight. Timed alone (30 copies of each SmolLM2 layer shape, 2 threads) the Q4_1
+# kernel takes 0.78x the packed time at 48 rows, 0.85x at 64, 1.0x at 96, 1.06x at 128;
+# inside a decode step, where the packed weights stream 540 MB from memory against
+# 110 MB of blocks, the whole step is 0.84x at 48 and 64 rows with the blocks up to 64.
+# The Q8_0 LM head, alone with the caches flushed between calls as in a step: 0.67x at
+# 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
+QUANTIZED_MAX_ROWS = {"q4_1": 64, "q8_0": 48}
+
+
+PANEL = 32  # output rows per panel of the kernels' layout
+
+
+@dataclass(frozen=True)
+class PanelBlocks:
+    """One weight's blocks in the C++ kernels' layout (`quant_linear.cpp`): panels of 32
+    output rows, each block's bytes transposed so one load holds a k's weights for the
+    panel's 32 outputs. Rows past `out_features` (to fill the last panel) are zeros."""
+
+    format: str
+    out_features: int
+    tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
+
+    @staticmethod
+    def of(q: QuantizedWeight) -> PanelBlocks:
+        """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
+        into panels: a permutation of the same bytes, done once at load."""
+        n, blocks = q.out_features, q.scales.shape[1]
+        panels = -(-n // PANEL)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            pad = panels * PANEL - n
+            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+        per_block = q.qweight.shape[1] // blocks  # bytes: 16 (Q4_1) or 32 (Q8_0)
+        qweight = padded(q.qweight).view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
+        rest = [padded(t).view(panels, PANEL, blocks).permute(0, 2, 1)
+                for t in (q.scales, q.mins) if t is not None]
+        return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def _packing_available() -> bool:
@@ -59,14 +98,15 @@ class PackedLinear(nn.Module):
         weight = weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         fp32 = weight.dtype == torch.float32
-        self.quantized = quantized if fp32 and kernels is not None else None
+        self.quantized = (PanelBlocks.of(quantized) if quantized is not None and fp32
+                          and kernels is not None else None)
         self._quantized_op = (getattr(kernels, f"{quantized.format}_linear")
                               if self.quantized is not None else None)
-        q = self.quantized  # the op's block arguments, bound once rather than per call
-        self._quantized_args = () if q is None else tuple(
-            t for t in (q.qweight, q.scales, q.mins) if t is not None)
         self.quantized_max_rows = (QUANTIZED_MAX_ROWS[quantized.format]
                                    if self.quantized is not None else 0)
+        # The op's block arguments, bound once rather than per call.
+        self._quantized_args = (() if self.quantized is None
+                                else (*self.quantized.tensors, self.out_features))
         self.plain = weight if fp32 and self.quantized is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """The C++ quantized linear kernels (Q4_1, Q8_0) against a float32 reference dequantizer
 and against gguf-py's own.
 
-Exactness is checked with x = identity: then every output is one weight times 1.0 plus
-zeros, so `out.T` is the kernel's dequantized weight itself and must equal the reference
-bit for bit. (With fp16 scales, as in a GGUF file, `d * q` is exact in fp32, so only the
-full-fp32-scale case can tell a fused multiply-add from a multiply then an add.)
-Random x then checks the matmul, with row counts around the 4-row tiles, the switch
-from in-register to buffered dequantization (8 rows), and output counts around the
-4-row weight groups.
+Weights are made in the GGUF's row order and repacked into the kernels' panels as the
+server does it (`PanelBlocks.of`). Exactness is checked with x = identity: then every
+output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantized
+weight itself and must equal the reference bit for bit. (With fp16 scales, as in a GGUF
+file, `d * q` is exact in fp32, so only the full-fp32-scale case can tell a fused
+multiply-add from a multiply then an add.) Random x then checks the matmul, with row
+counts around the switch from in-register widening (up to 8 rows) to packed tiles of
+12, K within and across the 128-k chunks, and output counts that leave the last
+32-row panel partly empty.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.cpu_linear import PanelBlocks
 from gpu.kernels.cpu.build import cpu_kernels
+from models.gguf_blocks import QuantizedWeight
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
@@ -45,6 +49,17 @@ def random_q8_0(n: int, k: int):
     return qweight, scales
 
 
+def q4_1(x, qweight, scales, mins) -> torch.Tensor:
+    """The kernel on GGUF-order tensors, repacked as at load."""
+    panels = PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales, mins))
+    return KERNELS.q4_1_linear(x, *panels.tensors, qweight.shape[0])
+
+
+def q8_0(x, qweight, scales) -> torch.Tensor:
+    panels = PanelBlocks.of(QuantizedWeight("q8_0", qweight, scales, None))
+    return KERNELS.q8_0_linear(x, *panels.tensors, qweight.shape[0])
+
+
 def dequant_q4_1(qweight, scales, mins) -> torch.Tensor:
     """Float32, as gguf-py's numpy: `(d * q) + m`, two ops, two roundings (torch's CPU
     elementwise ops do not fuse)."""
@@ -67,8 +82,8 @@ def test_dequantization_is_bit_exact(k) -> None:
     q4, q8 = random_q4_1(70, k), random_q8_0(70, k)
     w4, w8 = dequant_q4_1(*q4), dequant_q8_0(*q8)
     for rows in (slice(0, 5), slice(None)):
-        assert torch.equal(KERNELS.q4_1_linear(eye[rows], *q4).T, w4[:, rows])
-        assert torch.equal(KERNELS.q8_0_linear(eye[rows], *q8).T, w8[:, rows])
+        assert torch.equal(q4_1(eye[rows], *q4).T, w4[:, rows])
+        assert torch.equal(q8_0(eye[rows], *q8).T, w8[:, rows])
 
 
 @needs_kernels
@@ -78,21 +93,21 @@ def test_q4_1_multiply_then_add_with_full_fp32_scales(k) -> None:
     multiply-add would go unnoticed above. Full fp32 scales make the product round: the
     kernel must round it, then add, as numpy does (the build's -ffp-contract=off)."""
     q4 = random_q4_1(70, k, fp16_scales=False)
-    assert torch.equal(KERNELS.q4_1_linear(torch.eye(k), *q4).T, dequant_q4_1(*q4))
+    assert torch.equal(q4_1(torch.eye(k), *q4).T, dequant_q4_1(*q4))
 
 
 @needs_kernels
 @pytest.mark.parametrize("k", [64, 576])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 13, 25, 64])
 def test_matmul_matches_fp32(m, k) -> None:
-    n = 70  # not a multiple of the 4-row weight groups
+    n = 70  # the last of three 32-row panels is partly empty
     x = torch.randn(m, k)
     q4 = random_q4_1(n, k)
-    out = KERNELS.q4_1_linear(x, *q4)
+    out = q4_1(x, *q4)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, x @ dequant_q4_1(*q4).T, rtol=1e-5, atol=1e-4)
     q8 = random_q8_0(n, k)
-    torch.testing.assert_close(KERNELS.q8_0_linear(x, *q8), x @ dequant_q8_0(*q8).T,
+    torch.testing.assert_close(q8_0(x, *q8), x @ dequant_q8_0(*q8).T,
                                rtol=1e-5, atol=1e-4)
 
 
@@ -103,25 +118,26 @@ def test_x_with_a_row_stride() -> None:
     x = wide[:, 32:96]
     assert not x.is_contiguous()
     q4 = random_q4_1(9, 64)
-    torch.testing.assert_close(KERNELS.q4_1_linear(x, *q4), x @ dequant_q4_1(*q4).T,
+    torch.testing.assert_close(q4_1(x, *q4), x @ dequant_q4_1(*q4).T,
                                rtol=1e-5, atol=1e-4)
 
 
 @needs_kernels
 def test_bad_shapes_are_refused() -> None:
-    q4 = random_q4_1(8, 64)
+    qw, scales, mins = PanelBlocks.of(QuantizedWeight("q4_1", *random_q4_1(40, 64))).tensors
     with pytest.raises(RuntimeError, match="x has K"):
-        KERNELS.q4_1_linear(torch.randn(2, 32), *q4)
+        KERNELS.q4_1_linear(torch.randn(2, 32), qw, scales, mins, 40)
     with pytest.raises(RuntimeError, match="float32"):
-        KERNELS.q4_1_linear(torch.randn(2, 64).double(), *q4)
+        KERNELS.q4_1_linear(torch.randn(2, 64).double(), qw, scales, mins, 40)
     with pytest.raises(RuntimeError, match="mins"):
-        KERNELS.q4_1_linear(torch.randn(2, 64), q4[0], q4[1], q4[2][:, :1])
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        KERNELS.q8_0_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8),
-                            torch.zeros(4, 1))
-    with pytest.raises(RuntimeError, match="int8"):
-        KERNELS.q8_0_linear(torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8),
-                            torch.zeros(4, 2))
+        KERNELS.q4_1_linear(torch.randn(2, 64), qw, scales, mins[:, :1], 40)
+    with pytest.raises(RuntimeError, match="does not fill"):  # 40 outputs take 2 panels
+        KERNELS.q4_1_linear(torch.randn(2, 64), qw, scales, mins, 65)
+    with pytest.raises(RuntimeError, match="does not fill"):
+        KERNELS.q4_1_linear(torch.randn(2, 64), qw, scales, mins, 32)
+    with pytest.raises(RuntimeError, match="qweight must be contiguous Char"):  # not int8
+        KERNELS.q8_0_linear(torch.randn(2, 64), torch.zeros(1, 2, 32, 32, dtype=torch.uint8),
+                            torch.zeros(1, 2, 32), 32)
 
 
 def gguf_blocks_q4_1(qweight, scales, mins) -> np.ndarray:
@@ -151,7 +167,7 @@ def test_matches_gguf_dequantizer_bit_for_bit() -> None:
     q4 = random_q4_1(37, k)
     ref = dequantize(gguf_blocks_q4_1(*q4), gguf.GGMLQuantizationType.Q4_1)
     assert ref.shape == (37, k) and ref.dtype == np.float32
-    assert torch.equal(KERNELS.q4_1_linear(eye, *q4).T, torch.from_numpy(ref))
+    assert torch.equal(q4_1(eye, *q4).T, torch.from_numpy(ref))
     q8 = random_q8_0(37, k)
     ref = dequantize(gguf_blocks_q8_0(*q8), gguf.GGMLQuantizationType.Q8_0)
-    assert torch.equal(KERNELS.q8_0_linear(eye, *q8).T, torch.from_numpy(ref))
+    assert torch.equal(q8_0(eye, *q8).T, torch.from_numpy(ref))

@@ -82,13 +82,15 @@ def test_model_reads_blocks_for_few_rows_and_agrees(smollm2_dir):
     assert extra > 0
     ctx = _Context()
     most = QUANTIZED_MAX_ROWS["q4_1"]
-    for rows in (1, 5, most, most + 1):  # blocks (the head: packed from 17), then packed
+    for rows in (1, 5, 49, most, most + 1):  # blocks (the head: packed from 49), then packed
         ids = torch.randint(0, 49152, (rows,))
         pos = torch.arange(rows)
         with torch.inference_mode():
             want = reference.compute_logits(reference(ids, pos, ctx))
             got = model.compute_logits(model(ids, pos, ctx))
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
+        # Summation order only, grown over 30 layers: per matmul the kernel's error
+        # against float64 is 1e-6 of the largest output, like oneDNN's (0.8e-6).
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-3)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -123,16 +125,16 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     model = load_model(smollm2_dir)
     pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
     reads = quantized_reads(model)
-    assert (reads.layer_max_rows, reads.head_max_rows) == (32, 32)
+    assert (reads.layer_max_rows, reads.head_max_rows) == (64, 48)
     cfg = ModelConfig.from_dir(smollm2_dir)
     dense, blocks = ModelCost.from_config(cfg, 4), ModelCost.from_config(cfg, 4, blocks=reads)
-    one, many = blocks.decode(1, 100), blocks.decode(64, 100)
+    one, many = blocks.decode(1, 100), blocks.decode(65, 100)
     # ~0.75 bytes a layer weight and ~1.06 a head weight instead of 4.
     assert one.bytes_read < dense.decode(1, 100).bytes_read / 4
     assert one.flops == dense.decode(1, 100).flops
-    assert many.bytes_read == dense.decode(64, 100).bytes_read
-    # At 32 rows every weight, the head's too, still comes from its blocks.
-    saved = blocks.decode(32, 100).bytes_read - dense.decode(32, 100).bytes_read
-    head_params = cfg.vocab_size * cfg.hidden_size
-    assert saved == (reads.layer_bytes - reads.layer_params * 4) + (reads.head_bytes
-                                                                     - head_params * 4)
+    assert many.bytes_read == dense.decode(65, 100).bytes_read
+    layers_saved = reads.layer_bytes - reads.layer_params * 4
+    head_saved = reads.head_bytes - cfg.vocab_size * cfg.hidden_size * 4
+    saved = [blocks.decode(rows, 100).bytes_read - dense.decode(rows, 100).bytes_read
+             for rows in (48, 64)]
+    assert saved == [layers_saved + head_saved, layers_saved]  # the head dense past 48

@@ -1,4 +1,4 @@
-// Horizontal sums shared by the CPU kernels (paged_decode.cpp, quant_linear.cpp).
+// Horizontal sums for the CPU kernels (paged_decode.cpp).
 #pragma once
 
 #ifdef __AVX512F__
