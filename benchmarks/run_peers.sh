@@ -186,7 +186,7 @@ servers() {
 
 # Offline on each server in turn; then both servers start (one after the other, so each
 # start-up has the machine to itself) and stay up, and every (shape, client) runs against
-# one and at once the other, the order swapped from one pair to the next. The host's
+# one and straight after the other, the order swapped from one pair to the next. The host's
 # speed drifts by 20-30 % over minutes; a pair measured back to back shares its phase
 # (runs 1-7 ran every shape on one server, then on the other, minutes apart).
 run_all() {
@@ -195,7 +195,7 @@ run_all() {
   if [[ $OFFLINE == 1 ]]; then
     for name in "${names[@]}"; do offline "$name"; done
   fi
-  [[ -n $SHAPES ]] || return 0
+  [[ -n $SHAPES && ${#names[@]} -gt 0 ]] || return 0
   for name in "${names[@]}"; do start_server "$name"; done
   order=("${names[@]}")
   for shape in $SHAPES; do

@@ -64,6 +64,26 @@ def test_step_time_model_survives_a_long_run_of_single_decodes():
     assert model.predict(848, 17) == pytest.approx(cost(848, 17), rel=0.05)
 
 
+def test_step_time_model_leans_little_on_a_paused_step():
+    """A step the host paused (25x its due time) barely moves the fit; a lasting change
+    (every step twice as slow) is learnt in full."""
+
+    def cost(tokens: int, seqs: int) -> float:
+        return 0.015 + 0.0009 * tokens + 0.002 * seqs
+
+    model = StepTimeModel()
+    for _ in range(250):
+        model.observe(32, 32, cost(32, 32))
+    for i in range(3000):  # one sequence at a time: the fixed and per-sequence costs blur
+        tokens = 128 if i % 128 == 0 else 1
+        model.observe(tokens, 1, cost(tokens, 1))
+    model.observe(2, 2, 25 * cost(2, 2))
+    assert model.predict(848, 17) < 2 * cost(848, 17)  # unclipped: 11x
+    for _ in range(60):
+        model.observe(16, 16, 2 * cost(16, 16))
+    assert model.predict(16, 16) == pytest.approx(2 * cost(16, 16), rel=0.05)
+
+
 def test_arrival_refused_when_the_predicted_wait_passes_the_deadline():
     ctl = trained()
     now = 1000.0

@@ -39,6 +39,8 @@ from app.engine.request import Request, RequestSLO
 FORGET = 0.98
 # The prior's variance, and the most any direction of the estimate's covariance may reach.
 P_MAX = 1e3
+# Once trained, a step counts as at most this many times its prediction (plus 5 ms) off.
+OUTLIER = 1.0
 # Prefill tokens a step may always take, so waiting requests progress under any TPOT target.
 MIN_PREFILL_CHUNK = 16
 
@@ -58,6 +60,13 @@ class StepTimeModel:
     after conc1, the chat load had 32 of 64 requests shed as unable to start within
     600 s.) So no direction of `p` may exceed the prior's variance: the model is never
     less sure than before it saw a step (eigenvalues clipped at P_MAX).
+
+    A step the host paused (a 0.5 s decode of two sequences, where 20 ms was due) is
+    not evidence of a slower engine, but least squares would lean on it: along such a
+    little-excited direction, one of them made a 848-token prefill predict 9 s instead
+    of 0.8. Once trained, a step's error counts as at most OUTLIER times its prediction
+    (a Huber-like clip): a pause moves the fit a little, while a real change (the
+    engine twice as slow from now on) is inside the clip and is learnt at full speed.
     """
 
     def __init__(self) -> None:
@@ -70,7 +79,11 @@ class StepTimeModel:
         px = [sum(self.p[i][j] * x[j] for j in range(3)) for i in range(3)]
         gain_den = FORGET + sum(x[i] * px[i] for i in range(3))
         k = [v / gain_den for v in px]
-        err = seconds - sum(t * v for t, v in zip(self.theta, x))
+        predicted = sum(t * v for t, v in zip(self.theta, x))
+        err = seconds - predicted
+        if self.ready:
+            bound = OUTLIER * max(0.0, predicted) + 0.005
+            err = min(max(err, -bound), bound)
         self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
         self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(3)] for i in range(3)]
         if sum(self.p[i][i] for i in range(3)) > P_MAX:  # some direction may be past it
