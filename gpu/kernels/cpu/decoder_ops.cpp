@@ -4,8 +4,9 @@
 // casts) and the residual add one more; each op is a dispatch (~5-20 us) and a trip
 // through memory. At decode batch sizes the rows are tiny
 // (SmolLM2: 576 floats), so a step of 30 layers spent ~4 ms of a ~20 ms batch-1 token
-// on its 61 norms by torch's profiler (which inflates small ops). Here each is one loop per row (measured at one thread: 3 us
-// against 15 us at one row, 16 us against 47 us at 64 rows).
+// on its 61 norms by torch's profiler (which inflates small ops). Here each is one loop
+// per row (measured at one thread: 3 us against 15 us at one row, 16 us against 47 us
+// at 64 rows).
 //
 // Semantics match models/ops.py (the reference): fp32 accumulation; in bf16 the
 // residual sum is rounded to bf16 before it is normalised, as torch's `residual + x`

@@ -213,6 +213,7 @@ inline void with_rows(int64_t rows, Fn&& fn) {
   }
 }
 static_assert(kTile == 12, "with_rows dispatches up to 12 rows");
+#endif
 
 template <typename W>
 void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
@@ -220,6 +221,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   const float* x_ptr = x.const_data_ptr<float>();
   float* out_ptr = out.mutable_data_ptr<float>();
   const int64_t panels = (N + kPanel - 1) / kPanel;
+#ifdef __AVX512F__
   // ~64k weights per task at least: below that a thread's start costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
   if (M <= kDirectMaxRows) {
@@ -272,15 +274,8 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
       }
     }
   });
-}
 #else
-// Portable: widen a panel into [K][32] floats, then plain loops.
-template <typename W>
-void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
-  const int64_t M = x.size(0), K = w.K, xs = x.stride(0);
-  const float* x_ptr = x.const_data_ptr<float>();
-  float* out_ptr = out.mutable_data_ptr<float>();
-  const int64_t panels = (N + kPanel - 1) / kPanel;
+  // Portable: widen a panel into [K][32] floats, then plain loops.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wbuf(K * kPanel);
     for (int64_t p = begin; p < end; ++p) {
@@ -295,8 +290,8 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
         }
     }
   });
-}
 #endif
+}
 
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
