@@ -18,7 +18,7 @@ import torch
 from gpu.attention.base import AttentionBackend, StepContext
 from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.block_table import DeviceBlockTable
-from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache
+from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.roofline import DevicePeaks, ModelCost, flop_rate
@@ -174,8 +174,12 @@ class ModelRunner:
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
                                        ops=decoder_ops(self.backend))
-        # Cast on meta, then allocate: the weights never exist in fp32 first.
-        model = model.to(self.dtype).to_empty(device=self.device)
+        # Allocate in the serving dtype: the weights never exist in fp32 first. (Not
+        # `.to(dtype).to_empty()`: on meta tensors that runs torch's Python references,
+        # whose first use imports sympy, ~0.4 s of start-up.)
+        model._apply(lambda t: torch.empty(
+            t.shape, device=self.device,
+            dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
         model.load_weights(weights if weights is not None
                            else iter_safetensors(spec.model_dir, self.dtype))
@@ -216,10 +220,10 @@ class ModelRunner:
                                           block_reads)
         log_roofline(self.peaks, self.cost, spec.max_num_seqs, self.plan.max_model_len)
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
-        # Allocated once, never per request. Zeroed so stale NaNs can never leak through a mask.
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Allocated once, never per request.
+        self.k_caches = [zeroed_pool(shape, self.dtype, self.device)
                          for _ in range(self.config.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_caches = [zeroed_pool(shape, self.dtype, self.device)
                          for _ in range(self.config.num_layers)]
         self.sampler = Sampler(self.device, spec.seed)
         # The engine's block tables, one persistent row per scheduled request.

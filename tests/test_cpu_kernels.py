@@ -109,14 +109,24 @@ def test_auto_on_cpu_takes_the_kernels_and_torch_stays_plain() -> None:
     assert auto.kernels is KERNELS and plain.kernels is None
 
 
-def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog) -> None:
+def _no_compiler(*args, **kwargs):
+    raise RuntimeError("Error building extension: g++: not found")
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog, tmp_path) -> None:
     from torch.utils import cpp_extension
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Error building extension: g++: not found")
-
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path)  # nothing built there yet
+    monkeypatch.setattr(cpp_extension, "load", _no_compiler)
     with caplog.at_level(logging.WARNING, logger=build.log.name):
         assert cpu_kernels.__wrapped__() is None
     assert "g++: not found" in caplog.text and "torch path" in caplog.text
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the C++ CPU kernels could not be built here")
+def test_a_built_library_is_loaded_without_building(monkeypatch) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", _no_compiler)  # a build would fail
+    assert cpu_kernels.__wrapped__() is KERNELS
 

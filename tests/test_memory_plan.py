@@ -3,7 +3,11 @@ graphs, and never memory that was already in use when the runner started."""
 
 from __future__ import annotations
 
-from gpu.memory import GiB, plan_kv_cache
+import gc
+
+import torch
+
+from gpu.memory import GiB, plan_kv_cache, zeroed_pool
 
 PER_TOKEN = 128 << 10  # Llama-3-8B in bf16
 
@@ -30,3 +34,17 @@ def test_memory_in_use_at_start_is_not_given_away():
     assert shared.kv_bytes > usable - int(17.5 * GiB) - 16 * PER_TOKEN
     # A CUDA context's worth in use (it is this process's too) comes out of the pool.
     assert plan().kv_bytes - plan(free_device_bytes=139 * GiB).kv_bytes <= GiB
+
+
+def test_a_cpu_pool_is_zero_writable_and_outlives_its_mapping() -> None:
+    """The CPU pool comes from an anonymous mapping (zero pages on first touch); the
+    tensor must be all zeros, hold its own reference to the mapping, and take writes."""
+    pools = [zeroed_pool((64, 3, 16, 64), dtype, torch.device("cpu"))
+             for dtype in (torch.float32, torch.bfloat16)]
+    gc.collect()  # nothing but the tensors refers to the mappings now
+    for pool, dtype in zip(pools, (torch.float32, torch.bfloat16)):
+        assert pool.shape == (64, 3, 16, 64) and pool.dtype == dtype
+        assert pool.is_contiguous() and not pool.any()
+        pool[7].fill_(1.5)
+        assert pool.sum().item() == 1.5 * 3 * 16 * 64
+    assert zeroed_pool((0, 3), torch.float32, torch.device("cpu")).shape == (0, 3)

@@ -1,12 +1,13 @@
 """Build and load the C++ CPU kernels once per machine; None when they cannot be built.
 
 `torch.utils.cpp_extension.load` compiles the `.cpp` files here with the host's own
-instruction set (-march=native) into torch's extension cache and reuses it while the
-source and flags are unchanged, so only the first process on a machine pays the
-~30 s compile; later ones load the cached library in well under a second. The
-library's name carries a digest of the CPU's feature flags, so a cache directory
-shared by different CPUs never hands one a binary built for another (and of the
-headers, whose changes torch would not notice). -ffp-contract=off keeps a written
+instruction set (-march=native) into a cache directory, so only the first process on a
+machine pays the ~30 s compile. The library's name carries a digest of everything the
+binary depends on: the sources and headers, the flags, the CPU's model and feature
+flags (a cache shared by different CPUs never hands one a binary built for another),
+and the torch and Python versions. A library of that name is therefore the build, and
+later processes load it with `torch.ops.load_library` without importing cpp_extension
+(which imports setuptools: ~0.2 s of every server's start). -ffp-contract=off keeps a written
 multiply and add two roundings (GCC would fuse them, even across intrinsics), as the
 quantized kernels' exact dequantization needs; explicit FMA intrinsics stay FMAs.
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,10 +36,17 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
 
 
+def cache_dir() -> Path:
+    """Where the library is built: `$TORCH_EXTENSIONS_DIR`, as for any torch extension,
+    else beside the converted models in `~/.cache/ridgeline`."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "ridgeline" / "cpu_kernels"
+
+
 def _digest() -> str:
-    """A short digest of the CPU model and feature flags, and of the headers (torch
-    tracks the sources' changes, not those of what they include), for the name."""
-    text = platform.machine() + "".join(p.read_text() for p in sorted(HERE.glob("*.h")))
+    """A short digest of what the built library depends on (see the module's docstring)."""
+    text = "".join(p.read_text() for p in sorted(HERE.glob("*.[ch]*")))
+    text += " ".join(FLAGS) + platform.machine() + torch.__version__ + sys.version
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "model name", "Features")):
@@ -51,13 +61,22 @@ def _digest() -> str:
 @functools.cache
 def cpu_kernels() -> SimpleNamespace | None:
     """`torch.ops.ridgeline_cpu` once built and loaded, else None (reason logged once)."""
+    name = f"ridgeline_cpu_{_digest()}"
+    build_dir = cache_dir() / name
+    library = build_dir / f"{name}.so"
     try:
+        # Built by an earlier process, and not being rebuilt by a concurrent one (torch's
+        # build holds a lock file in the directory until the library is complete).
+        if library.is_file() and not (build_dir / "lock").exists():
+            torch.ops.load_library(str(library))
+            return torch.ops.ridgeline_cpu
         from torch.utils import cpp_extension
 
         cpp_extension.verify_ninja_availability()
-        log.info("loading the C++ CPU kernels (built once per machine, cached)")
+        log.info("building the C++ CPU kernels into %s (once per machine, ~30 s)", build_dir)
+        build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=f"ridgeline_cpu_{_digest()}", sources=[str(p) for p in SOURCES],
+            name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False,
         )
