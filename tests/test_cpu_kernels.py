@@ -1,8 +1,10 @@
-"""The C++ CPU paged decode kernel against the torch backend's own decode path.
+"""The C++ CPU paged attention kernels (decode and prefill) against the torch backend's
+own paths.
 
 Both run through `TorchAttentionBackend` on the same step, pools and q/k/v: one built
-with the kernels, one without (the gather and two batched matmuls, itself checked
-against the references in test_sliding_window.py). Steps are scheduler-like: ragged
+with the kernels, one without (the gather and two batched matmuls for decode rows, the
+gather and masked SDPA for prefill rows, themselves checked against the references in
+test_sliding_window.py). Steps are scheduler-like: ragged
 contexts, shuffled non-contiguous pages, GQA (3 query heads per KV head, as SmolLM2),
 q a strided view of a fused projection, windows shorter than a block and longer than
 several. head_dim 64 takes the AVX-512 loops where the host has them; 20 takes the
@@ -78,6 +80,60 @@ def test_decode_rows_between_prefill_rows(dtype) -> None:
     SDPA and the outputs land in their rows of the step."""
     fast, ref = attend_both_ways([0, 40, 16, 70], [9, 1, 12, 1], 16, 64, dtype, None)
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5, 40], ids=["full", "w5", "w40"])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (4, torch.float32),
+                                                   (16, torch.bfloat16)],
+                         ids=["bs16-fp32", "bs4-fp32", "bs16-bf16"])
+def test_prefill_rows_match_the_torch_path(window, head_dim, block_size, dtype) -> None:
+    """New tokens after no prefix, after cached prefixes (a block's worth, ragged, long),
+    in tiles of 16 tokens and their ragged ends (2, 16, 17, 33, 70 new tokens)."""
+    prefix_lens = [0, 16, 37, 0, 300, 5]
+    query_lens = [17, 2, 33, 70, 16, 9]
+    fast, ref = attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype,
+                                 window)
+    assert fast.dtype == dtype and fast.shape == ref.shape
+    torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+def test_prefill_reads_no_key_outside_its_context() -> None:
+    """Pool slots past a sequence's context (the rest of its last block, other requests'
+    blocks) may hold anything: NaN there must not reach the kernel's result."""
+    block_size, head_dim = 4, 64
+    tables = torch.tensor([[3, 0, 5, 1], [2, 4, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor([14, 6], dtype=torch.int32)  # 8 cached + 6 new; 0 cached + 6 new
+    qlens = torch.tensor([6, 6], dtype=torch.int32)
+    starts = torch.tensor([0, 6], dtype=torch.int32)
+    shape = (NUM_KV_HEADS, 8 * block_size, head_dim)
+    k_pool, v_pool = torch.randn(shape), torch.randn(shape)
+    q = torch.randn(12, NUM_KV_HEADS * GROUP, head_dim)
+    args = (tables, starts, qlens, lens, block_size, head_dim**-0.5, 0)
+    clean = torch.empty_like(q)
+    KERNELS.paged_prefill_(clean, q, k_pool, v_pool, *args)
+    # Row 0's keys 0..13 end in block 1 at offset 1; row 1's keys 0..5 end in block 4.
+    for pool in (k_pool, v_pool):
+        pool[:, 1 * block_size + 2:2 * block_size] = float("nan")
+        pool[:, 4 * block_size + 2:5 * block_size] = float("nan")
+        pool[:, 6 * block_size:] = float("nan")
+    poisoned = torch.empty_like(q)
+    KERNELS.paged_prefill_(poisoned, q, k_pool, v_pool, *args)
+    assert torch.equal(poisoned, clean) and not clean.isnan().any()
+
+
+@needs_kernels
+def test_prefill_rejects_a_context_its_block_table_cannot_hold() -> None:
+    q = torch.randn(4, NUM_KV_HEADS * GROUP, 64)
+    pool = torch.randn(NUM_KV_HEADS, 32, 64)
+    one = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        KERNELS.paged_prefill_(torch.empty_like(q), q, pool, pool,
+                               torch.zeros(1, 1, dtype=torch.int32), one,
+                               torch.tensor([4], dtype=torch.int32),
+                               torch.tensor([20], dtype=torch.int32), 16, 0.125, 0)
 
 
 @needs_kernels

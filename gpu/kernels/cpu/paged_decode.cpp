@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "paged.h"
 #include "reduce.h"
 
 #ifdef __AVX512F__
@@ -41,8 +42,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using namespace paged;
 
 // Softmax numerators in place over each of `rows` rows of `len` scores; returns sums.
 void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
@@ -75,43 +75,6 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
       sum += s[t];
     }
     sums[g] = sum;
-  }
-}
-
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
-// Asks for `rows` rows of D values from `p` to be brought into L1 ahead of use.
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t rows, int64_t D) {
-#ifdef __AVX512F__
-  const char* bytes = reinterpret_cast<const char*>(p);
-  const int64_t size = rows * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t o = 0; o < size; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T0);
-#endif
-}
-
-// The keys [first, n) of one sequence in `pool` (rows of D), a block-table walk at a
-// time: calls fn(pool_row_offset, index_from_first, count) for each run of consecutive
-// slots. Each block is a jump to another 4 KB (block_size 16, D 64, fp32), where the
-// hardware prefetcher starts over, so the next run is prefetched before this one is
-// used: 0.83-0.91x the time per layer, measured (B 1-64, 200-1000 tokens).
-template <typename T, typename Fn>
-inline void for_each_run(const T* pool, int64_t D, const int32_t* table, int64_t first,
-                         int64_t n, int64_t block_size, Fn&& fn) {
-  for (int64_t t = first; t < n;) {
-    const int64_t j = t / block_size, off = t % block_size;
-    const int64_t count = std::min(block_size - off, n - t);
-    if (t + count < n)
-      prefetch_rows(pool + static_cast<int64_t>(table[j + 1]) * block_size * D,
-                    std::min(block_size, n - t - count), D);
-    fn(static_cast<int64_t>(table[j]) * block_size + off, t - first, count);
-    t += count;
   }
 }
 
@@ -154,80 +117,6 @@ void scores_pass(const float* q, const T* k, const int32_t* table, int64_t first
         float s = 0.f;
         for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * to_float(r[d]);
         scores[g * len + at + t] = s;
-      }
-    }
-  });
-}
-
-#ifdef __AVX512F__
-// acc[g0 .. g0+GN) x [d0, d0+64) += sum over the run's `count` keys of p * v, kept in
-// GN x 4 registers for the whole run.
-template <int GN, typename T>
-inline void values_tile(const float* probs, const T* rows, int64_t at, int64_t count,
-                        int64_t g0, int64_t d0, int64_t D, float* acc, int64_t len) {
-  __m512 a[GN][4];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + d0 + 16 * j);
-  for (int64_t t = 0; t < count; ++t) {
-    const T* r = rows + t * D + d0;
-    const __m512 v0 = load16(r), v1 = load16(r + 16), v2 = load16(r + 32), v3 = load16(r + 48);
-    for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + at + t]);
-      a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
-      a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
-      a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);
-}
-#endif
-
-template <typename T>
-void values_pass(const float* probs, const T* v, const int32_t* table, int64_t first, int64_t n,
-                 int64_t block_size, int64_t G, int64_t D, float* acc, int64_t len) {
-  std::fill(acc, acc + G * D, 0.f);
-  for_each_run(v, D, table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
-    const T* rows = v + slot * D;
-#ifdef __AVX512F__
-    if (D % 64 == 0) {
-      // Tiles of up to 4 heads x 64 dims, 16 accumulator registers: each value row is
-      // loaded once for the tile's heads, and the FMAs into different registers do not
-      // wait on each other (one accumulator per head and 16 dims made every FMA wait
-      // for the previous one: ~4x slower, measured).
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 4: values_tile<4>(probs, rows, at, count, g0, d0, D, acc, len); break;
-            case 3: values_tile<3>(probs, rows, at, count, g0, d0, D, acc, len); break;
-            case 2: values_tile<2>(probs, rows, at, count, g0, d0, D, acc, len); break;
-            default: values_tile<1>(probs, rows, at, count, g0, d0, D, acc, len); break;
-          }
-        }
-      }
-      return;
-    }
-    if (D % 16 == 0) {
-      // One accumulator register per (head, 16 dims) across the run; the run's values
-      // are re-read per head from L1.
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = probs + g * len + at;
-        for (int64_t d = 0; d < D; d += 16) {
-          __m512 a = _mm512_loadu_ps(acc + g * D + d);
-          for (int64_t t = 0; t < count; ++t)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(rows + t * D + d), a);
-          _mm512_storeu_ps(acc + g * D + d, a);
-        }
-      }
-      return;
-    }
-#endif
-    for (int64_t t = 0; t < count; ++t) {
-      const T* r = rows + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = probs[g * len + at + t];
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_float(r[d]);
       }
     }
   });
@@ -276,7 +165,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       prefetch_rows(v_head + (first_slot + first % block_size) * D,
                     std::min(block_size - first % block_size, len), D);
       softmax_rows(scores.data(), G, len, sums.data());
-      values_pass(scores.data(), v_head, table, first, n, block_size, G, D, acc.data(), len);
+      values_pass(scores.data(), v_head, table, first, n, block_size, G, D, acc.data(), len, 1);
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / sums[g];
         for (int64_t d = 0; d < D; ++d) o[g * D + d] = T(acc[g * D + d] * inv);
