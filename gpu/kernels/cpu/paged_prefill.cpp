@@ -8,20 +8,21 @@
 // gather and SDPA took ~40% of such a step (measured: 11 sequences of 66 new tokens
 // after 768 cached ones, 12.5 ms a layer).
 //
-// Work unit: (sequence, tile of 16 consecutive new tokens, KV head), run in parallel with
-// at::parallel_for. Its rows are the G query heads of that KV head x the 16 tokens,
-// R = 16 G, laid out head-major: one 16-lane vector holds one head's 16 tokens, so a
-// token's causal limit sits in the same lane of every vector.
+// Work unit: (sequence, tile of consecutive new tokens, KV head), run in parallel with
+// at::parallel_for. Its rows are the tile's tokens x the G query heads of that KV head,
+// token-major (row r: token r / G, head r % G), padded to whole 16-lane vectors: 16 G
+// rows for a full tile of 16 tokens, fewer for a sequence's last few (2 tokens of
+// SmolLM2's G = 3 take one vector, not three).
 //   1. q, scaled, transposed to qt [D][R] in fp32;
 //   2. scores transposed, s[key][row], for the tile's keys [first, n) (n: the last
 //      token's position + 1): per key, all R rows at once as an outer product over d,
 //      so no horizontal sums;
-//   3. softmax down the keys, per lane over that token's own keys (causal, and inside
+//   3. softmax down the keys, per lane over its token's own keys (causal, and inside
 //      the sliding window when one is set): max, exp, sum under lane masks; keys a
 //      token cannot see get probability 0;
 //   4. p·v with the decode kernel's values pass (paged.h), keyed [key][row].
-// A tile computes up to 15 scores its earlier tokens cannot see: the price of keeping
-// the 16 tokens in one vector.
+// A tile computes the scores its earlier tokens cannot see (up to the tile's length - 1
+// keys): the price of vectors across tokens.
 //
 // Layout: q and out [T, num_heads, head_dim] (any row/head stride, dim contiguous);
 // sequence s has query_lens[s] new tokens at rows query_starts[s].., and context_lens[s]
@@ -49,7 +50,10 @@ namespace {
 
 using namespace paged;
 
-constexpr int64_t TILE = 16;  // new tokens per work unit: one vector's lanes
+// New tokens in a full tile. Larger tiles read each key for more rows, but compute more
+// scores their earlier tokens cannot see: 21 tokens (64 rows) made a 128-token prompt
+// 1.15x slower than 16, measured.
+constexpr int64_t TILE = 16;
 
 #ifdef __AVX512F__
 // s[kk][v0 * 16 .. (v0 + NV) * 16) = q·k for NK keys (rows of D) and NV vectors of rows.
@@ -104,19 +108,18 @@ void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, i
   });
 }
 
-// Softmax numerators in place down each row's keys [lo[i], hi[i]) of the len keys, where
-// row r belongs to token i = r % 16; 0 elsewhere. sums[r]: the row's sum (0 if it sees
-// no key: a padding lane).
+// Softmax numerators in place down each row's keys [lo[r], hi[r]) of the len keys, 0
+// elsewhere. sums[r]: the row's sum (0 if it sees no key: a padding row).
 void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const int32_t* hi,
                      float* sums) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #ifdef __AVX512F__
-  const __m512i lo_v = _mm512_loadu_si512(lo), hi_v = _mm512_loadu_si512(hi);
-  auto visible = [&](int64_t t) {
-    const __m512i tv = _mm512_set1_epi32(static_cast<int32_t>(t));
-    return _mm512_cmpge_epi32_mask(tv, lo_v) & _mm512_cmplt_epi32_mask(tv, hi_v);
-  };
   for (int64_t v = 0; v < R / 16; ++v) {
+    const __m512i lo_v = _mm512_loadu_si512(lo + v * 16), hi_v = _mm512_loadu_si512(hi + v * 16);
+    auto visible = [&](int64_t t) {
+      const __m512i tv = _mm512_set1_epi32(static_cast<int32_t>(t));
+      return _mm512_cmpge_epi32_mask(tv, lo_v) & _mm512_cmplt_epi32_mask(tv, hi_v);
+    };
     __m512 m = _mm512_set1_ps(neg_inf), sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t)
       m = _mm512_mask_max_ps(m, visible(t), m, _mm512_loadu_ps(s + t * R + v * 16));
@@ -132,12 +135,10 @@ void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const 
   }
 #else
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = r % TILE;
     float m = neg_inf, sum = 0.f;
-    for (int64_t t = lo[i]; t < hi[i]; ++t) m = std::max(m, s[t * R + r]);
+    for (int64_t t = lo[r]; t < hi[r]; ++t) m = std::max(m, s[t * R + r]);
     for (int64_t t = 0; t < len; ++t) {
-      const bool seen = t >= lo[i] && t < hi[i];
-      const float e = seen ? exp_nonpositive(s[t * R + r] - m) : 0.f;
+      const float e = t >= lo[r] && t < hi[r] ? exp_nonpositive(s[t * R + r] - m) : 0.f;
       s[t * R + r] = e;
       sum += e;
     }
@@ -153,7 +154,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
              double scale, int64_t window, at::Tensor& out) {
   const int64_t S = query_starts.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), num_slots = k_cache.size(1);
-  const int64_t G = H / KVH, R = G * TILE;
+  const int64_t G = H / KVH;
   const int32_t* starts = query_starts.const_data_ptr<int32_t>();
   const int32_t* qlens = query_lens.const_data_ptr<int32_t>();
   const int32_t* lens = context_lens.const_data_ptr<int32_t>();
@@ -170,28 +171,31 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * KVH, 1, [&](int64_t begin,
                                                                        int64_t end) {
-    std::vector<float> qt(D * R), acc(R * D), sums(R), s;
-    std::vector<int32_t> lo(TILE), hi(TILE);
+    const int64_t max_rows = (TILE * G + 15) / 16 * 16;
+    std::vector<float> qt(D * max_rows), acc(max_rows * D), sums(max_rows), s;
+    std::vector<int32_t> lo(max_rows), hi(max_rows);
     for (int64_t unit = begin; unit < end; ++unit) {
       const auto [b, i0] = tiles[unit / KVH];
       const int64_t h = unit % KVH;
       const int64_t tq = std::min<int64_t>(TILE, qlens[b] - i0);
+      const int64_t rows = tq * G, R = (rows + 15) / 16 * 16;
       const int64_t pos0 = lens[b] - qlens[b] + i0;  // position of the tile's first token
       auto first_seen = [&](int64_t p) {
         return window > 0 ? std::max<int64_t>(0, p + 1 - window) : int64_t{0};
       };
       const int64_t first = first_seen(pos0), n = pos0 + tq, len = n - first;
-      for (int64_t i = 0; i < TILE; ++i) {  // padding lanes see nothing
-        lo[i] = i < tq ? static_cast<int32_t>(first_seen(pos0 + i) - first) : 0;
-        hi[i] = i < tq ? static_cast<int32_t>(pos0 + i + 1 - first) : 0;
+      for (int64_t r = 0; r < R; ++r) {  // padding rows see nothing
+        const int64_t p = pos0 + r / G;
+        lo[r] = r < rows ? static_cast<int32_t>(first_seen(p) - first) : 0;
+        hi[r] = r < rows ? static_cast<int32_t>(p + 1 - first) : 0;
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < TILE; ++i) {
-          const T* src = q_ptr + (starts[b] + i0 + std::min(i, tq - 1)) * q.stride(0) +
-                         (h * G + g) * q.stride(1);
-          for (int64_t d = 0; d < D; ++d)
-            qt[d * R + g * TILE + i] = to_float(src[d]) * static_cast<float>(scale);
-        }
+      std::fill(qt.begin(), qt.begin() + D * R, 0.f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = q_ptr + (starts[b] + i0 + r / G) * q.stride(0) +
+                       (h * G + r % G) * q.stride(1);
+        for (int64_t d = 0; d < D; ++d)
+          qt[d * R + r] = to_float(src[d]) * static_cast<float>(scale);
+      }
       s.resize(len * R);
       const int32_t* table = tables + b * table_row;
       scores_pass(qt.data(), R, k_ptr + h * num_slots * D, table, first, n, block_size, D,
@@ -199,13 +203,12 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       softmax_columns(s.data(), R, len, lo.data(), hi.data(), sums.data());
       values_pass(s.data(), v_ptr + h * num_slots * D, table, first, n, block_size, R, D,
                   acc.data(), 1, R);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < tq; ++i) {
-          const int64_t r = g * TILE + i;
-          const float inv = 1.f / sums[r];
-          T* o = out_ptr + (starts[b] + i0 + i) * out.stride(0) + (h * G + g) * out.stride(1);
-          for (int64_t d = 0; d < D; ++d) o[d] = T(acc[r * D + d] * inv);
-        }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / sums[r];
+        T* o = out_ptr + (starts[b] + i0 + r / G) * out.stride(0) +
+               (h * G + r % G) * out.stride(1);
+        for (int64_t d = 0; d < D; ++d) o[d] = T(acc[r * D + d] * inv);
+      }
     }
   });
 }
