@@ -90,6 +90,29 @@ wait_healthy() {
   log "$name healthy after $took s"
 }
 
+# Wait (at most 30 s) until the cores are quiet: a process that has just exited can
+# leave seconds of teardown behind (vLLM's offline run force-kills its engine process),
+# and the next offline run or start-up would be timed against it (run 11's Ridgeline
+# start read 5.2 s, its peaks probe a third of the usual matmul rate).
+settle() {
+  python - <<'PY'
+import time
+
+def idle_and_total():
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[3] + ticks[4], sum(ticks)  # idle + iowait, all
+
+deadline = time.time() + 30
+while time.time() < deadline:
+    idle0, total0 = idle_and_total()
+    time.sleep(1)
+    idle1, total1 = idle_and_total()
+    if (idle1 - idle0) / max(1, total1 - total0) > 0.9:
+        break
+PY
+}
+
 stop_server() {
   kill -TERM "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
@@ -126,6 +149,7 @@ bench_one() {
 }
 
 offline() {
+  settle
   case $1 in
     ridgeline)
       log "Ridgeline offline (LLM.generate)"
@@ -143,6 +167,7 @@ offline() {
 # and leave it running: the online shapes alternate between the live servers.
 start_server() {
   local pid
+  settle
   case $1 in
     ridgeline)
       log "Ridgeline online (ridgeline serve)"

@@ -100,6 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.kernels = kernels  # torch.ops.ridgeline_cpu, or None: plain torch throughout
         # RoPE joined to the KV store in one C++ pass per token (rotary_kv_store.cpp).
         self.fuses_rotary = kernels is not None and hasattr(kernels, "rotary_kv_store_")
+        self.prefills_in_place = kernels is not None and hasattr(kernels, "paged_prefill_")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -156,7 +157,7 @@ class TorchAttentionBackend(AttentionBackend):
             if g.max_query_len == 1:
                 o = self._decode(q if g.identity else q[g.query_rows[:, 0]], k_cache, v_cache,
                                  g, sliding_window)
-            elif self.kernels is not None and q.dtype in self.KERNEL_DTYPES:
+            elif self.prefills_in_place and q.dtype in self.KERNEL_DTYPES:
                 # Reads the pool in place and writes the group's rows of `out` itself.
                 self.kernels.paged_prefill_(
                     out, q, k_cache, v_cache, g.block_tables, g.query_starts, g.query_lens,
