@@ -236,17 +236,22 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
     return;
   }
   const int64_t tiles = (M + kTile - 1) / kTile;
-  std::vector<float> packed(tiles * K * kTile, 0.f);  // tile t: [K][kTile], zeros past M
+  // Tile t: [K][kTile]; rows past M are never read (tile_packed takes the row count).
+  // Kept per thread and grown as needed: a fresh zeroed vector on every call was a
+  // page-faulting allocation of up to ~0.4 MB at 64 rows.
+  static thread_local std::vector<float> packed;
+  if (packed.size() < static_cast<size_t>(tiles * K * kTile)) packed.resize(tiles * K * kTile);
+  float* const x_tiles = packed.data();  // the parallel regions' `packed` is their own
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t r = 0; r < std::min(kTile, M - t * kTile); ++r) {
         const float* src = x_ptr + (t * kTile + r) * xs;
-        float* dst = packed.data() + t * K * kTile + r;
+        float* dst = x_tiles + t * K * kTile + r;
         for (int64_t k = 0; k < K; ++k) dst[k * kTile] = src[k];
       }
   });
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> wbuf(kChunk * kPanel);
+    static thread_local std::vector<float> wbuf(kChunk * kPanel);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
@@ -266,7 +271,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
         for (int64_t t = 0; t < tiles; ++t) {
           with_rows(std::min(kTile, M - t * kTile), [&](auto R) {
             tile_packed<decltype(R)::value>(wbuf.data(), kc,
-                                            packed.data() + t * K * kTile + k0 * kTile,
+                                            x_tiles + t * K * kTile + k0 * kTile,
                                             out_ptr + t * kTile * N + p * kPanel, N, cols,
                                             k0 == 0);
           });
