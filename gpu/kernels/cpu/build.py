@@ -7,9 +7,11 @@ binary depends on: the sources and headers, the flags, the CPU's model and featu
 flags (a cache shared by different CPUs never hands one a binary built for another),
 and the torch and Python versions. A library of that name is therefore the build, and
 later processes load it with `torch.ops.load_library` without importing cpp_extension
-(which imports setuptools: ~0.2 s of every server's start). -ffp-contract=off keeps a written
-multiply and add two roundings (GCC would fuse them, even across intrinsics), as the
-quantized kernels' exact dequantization needs; explicit FMA intrinsics stay FMAs.
+(which imports setuptools: ~0.2 s of every server's start).
+
+-ffp-contract=off keeps a written multiply and add two roundings (GCC would fuse them,
+even across intrinsics), as the quantized kernels' exact dequantization needs; explicit
+FMA intrinsics stay FMAs.
 
 The kernels are a speed-up, never a requirement: without a compiler (or ninja), or
 when the build fails, the caller keeps the plain torch path and the reason is logged
