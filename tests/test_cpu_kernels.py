@@ -4,11 +4,11 @@ own paths.
 Both run through `TorchAttentionBackend` on the same step, pools and q/k/v: one built
 with the kernels, one without (the gather and two batched matmuls for decode rows, the
 gather and masked SDPA for prefill rows, themselves checked against the references in
-test_sliding_window.py). Steps are scheduler-like: ragged
-contexts, shuffled non-contiguous pages, GQA (3 query heads per KV head, as SmolLM2),
-q a strided view of a fused projection, windows shorter than a block and longer than
-several. head_dim 64 takes the AVX-512 loops where the host has them; 20 takes the
-portable ones.
+test_sliding_window.py). Steps are scheduler-like: ragged contexts, shuffled
+non-contiguous pages, GQA (3 query heads per KV head, as SmolLM2), q a strided view of
+a fused projection, windows shorter than a block and longer than several. head_dim 64
+takes the AVX-512 loops where the host has them; 20 takes the portable ones (but for
+the prefill kernel's scores, whose AVX-512 loop takes any head_dim).
 """
 
 from __future__ import annotations
