@@ -145,7 +145,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     The tensor keeps the mapping alive."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

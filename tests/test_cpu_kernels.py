@@ -59,43 +59,37 @@ def attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype, windo
     return results
 
 
+# (prefix lengths, new tokens) of each kernel's rows in one step.
+ROWS = {
+    # One token each, after ragged contexts.
+    "decode": ([0, 37, 130, 16, 5, 300], [1] * 6),
+    # After no prefix and after cached ones (a block's worth, ragged, long), in tiles of
+    # 16 tokens and their ragged ends (2, 16, 17, 33, 70 new tokens).
+    "prefill": ([0, 16, 37, 0, 300, 5], [17, 2, 33, 70, 16, 9]),
+}
+
+
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 5, 40], ids=["full", "w5", "w40"])
 @pytest.mark.parametrize("head_dim", [64, 20])
 @pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (4, torch.float32),
                                                    (16, torch.bfloat16)],
                          ids=["bs16-fp32", "bs4-fp32", "bs16-bf16"])
-def test_decode_rows_match_the_torch_path(window, head_dim, block_size, dtype) -> None:
-    prefix_lens = [0, 37, 130, 16, 5, 300]
-    fast, ref = attend_both_ways(prefix_lens, [1] * len(prefix_lens), block_size, head_dim,
-                                 dtype, window)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rows_match_the_torch_path(rows, window, head_dim, block_size, dtype) -> None:
+    prefix_lens, query_lens = ROWS[rows]
+    fast, ref = attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype,
+                                 window)
     assert fast.dtype == dtype and fast.shape == ref.shape
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_rows_between_prefill_rows(dtype) -> None:
-    """The kernel takes the decode group's own q rows and table rows; prefill rows keep
-    SDPA and the outputs land in their rows of the step."""
+def test_decode_and_prefill_rows_interleaved(dtype) -> None:
+    """Each kernel takes its own group's q rows and table rows (decode rows between
+    prefill rows), and the outputs land in their rows of the step."""
     fast, ref = attend_both_ways([0, 40, 16, 70], [9, 1, 12, 1], 16, 64, dtype, None)
-    torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
-
-
-@needs_kernels
-@pytest.mark.parametrize("window", [None, 5, 40], ids=["full", "w5", "w40"])
-@pytest.mark.parametrize("head_dim", [64, 20])
-@pytest.mark.parametrize(("block_size", "dtype"), [(16, torch.float32), (4, torch.float32),
-                                                   (16, torch.bfloat16)],
-                         ids=["bs16-fp32", "bs4-fp32", "bs16-bf16"])
-def test_prefill_rows_match_the_torch_path(window, head_dim, block_size, dtype) -> None:
-    """New tokens after no prefix, after cached prefixes (a block's worth, ragged, long),
-    in tiles of 16 tokens and their ragged ends (2, 16, 17, 33, 70 new tokens)."""
-    prefix_lens = [0, 16, 37, 0, 300, 5]
-    query_lens = [17, 2, 33, 70, 16, 9]
-    fast, ref = attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype,
-                                 window)
-    assert fast.dtype == dtype and fast.shape == ref.shape
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
 
 
