@@ -38,13 +38,15 @@ log = logging.getLogger("ridgeline.cpu_linear")
 
 PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # fp32: up to this many rows run faster on the quantized blocks than on oneDNN's packed
-# fp32 weight. Timed alone (30 copies of each SmolLM2 layer shape, 2 threads) the Q4_1
-# kernel takes 0.78x the packed time at 48 rows, 0.85x at 64, 1.0x at 96, 1.06x at 128;
-# inside a decode step, where the packed weights stream 540 MB from memory against
-# 110 MB of blocks, the whole step is 0.84x at 48 and 64 rows with the blocks up to 64.
-# The Q8_0 LM head, alone with the caches flushed between calls as in a step: 0.67x at
-# 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
-QUANTIZED_MAX_ROWS = {"q4_1": 64, "q8_0": 48}
+# fp32 weight. Timed alone (benchmarks/cpu_quant_linear_ab.py: 30 copies of each SmolLM2
+# layer shape, 2 threads) the four Q4_1 shapes together take 0.72x the packed time at 64
+# rows, 0.88x at 128, 0.93x at 144, 0.98x at 192, 1.0x at 256 (the K = 1536 down
+# projection alone crosses at ~144). Inside whole steps, where the packed weights stream
+# 540 MB from memory against 110 MB of blocks, a prefill of 96 or 128 tokens beside 8 or
+# 16 decodes is 0.88x or 0.95x with the blocks up to 160 rows instead of 64, and 48-64
+# row decode steps 0.84x. The Q8_0 LM head, alone with the caches flushed between calls
+# as in a step: 0.67x at 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
+QUANTIZED_MAX_ROWS = {"q4_1": 192, "q8_0": 48}
 
 
 PANEL = 32  # output rows per panel of the kernels' layout
@@ -63,7 +65,12 @@ class PanelBlocks:
     @staticmethod
     def of(q: QuantizedWeight) -> PanelBlocks:
         """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
-        into panels: a permutation of the same bytes, done once at load."""
+        into panels: a permutation of the same bytes, done once at load. Scales and
+        mins must be f16 values, as a GGUF stores them: the kernel's exactness rests on
+        it (its Q4_1 widening fuses `d * q + m`, exact only when `d * q` is)."""
+        for name, t in (("scales", q.scales), ("mins", q.mins)):
+            if t is not None and not torch.equal(t, t.half().float()):
+                raise ValueError(f"{q.format} {name} must be f16 values, as in a GGUF file")
         n, blocks = q.out_features, q.scales.shape[1]
         panels = -(-n // PANEL)
 

@@ -4,9 +4,9 @@ and against gguf-py's own.
 Weights are made in the GGUF's row order and repacked into the kernels' panels as the
 server does it (`PanelBlocks.of`). Exactness is checked with x = identity: then every
 output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantized
-weight itself and must equal the reference bit for bit. (With fp16 scales, as in a GGUF
-file, `d * q` is exact in fp32, so only the full-fp32-scale case can tell a fused
-multiply-add from a multiply then an add.) Random x then checks the matmul, with row
+weight itself and must equal the reference bit for bit. (Scales are f16 values, as in
+a GGUF file and as `PanelBlocks` demands, so `d * q` is exact in fp32 and the kernel's
+fused multiply-add rounds like numpy's multiply then add.) Random x then checks the matmul, with row
 counts around the switch from in-register widening (up to 8 rows) to packed tiles of
 12, K within and across the 128-k chunks, and output counts that leave the last
 32-row panel partly empty.
@@ -86,14 +86,17 @@ def test_dequantization_is_bit_exact(k) -> None:
         assert torch.equal(q8_0(eye[rows], *q8).T, w8[:, rows])
 
 
-@needs_kernels
-@pytest.mark.parametrize("k", [64, 576])
-def test_q4_1_multiply_then_add_with_full_fp32_scales(k) -> None:
-    """With fp16 scales `d * q` is exact in fp32 (11 + 4 significant bits), so a fused
-    multiply-add would go unnoticed above. Full fp32 scales make the product round: the
-    kernel must round it, then add, as numpy does (the build's -ffp-contract=off)."""
-    q4 = random_q4_1(70, k, fp16_scales=False)
-    assert torch.equal(q4_1(torch.eye(k), *q4).T, dequant_q4_1(*q4))
+def test_panels_refuse_scales_that_are_not_f16_values() -> None:
+    """The kernel's Q4_1 widening is one fused multiply-add, exact only when `d * q` is:
+    full fp32 scales or mins would round differently from numpy, so they are refused."""
+    qweight, scales, mins = random_q4_1(40, 64)
+    qweight8, scales8 = random_q8_0(40, 64)
+    for bad in (QuantizedWeight("q4_1", *random_q4_1(40, 64, fp16_scales=False)),
+                QuantizedWeight("q4_1", qweight, scales, mins + 1e-6),
+                QuantizedWeight("q8_0", qweight8, scales8 + 1e-6, None)):
+        with pytest.raises(ValueError, match="must be f16 values"):
+            PanelBlocks.of(bad)
+    PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales, mins))  # f16 values pass
 
 
 @needs_kernels

@@ -125,14 +125,16 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     model = load_model(smollm2_dir)
     pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
     reads = quantized_reads(model)
-    assert (reads.layer_max_rows, reads.head_max_rows) == (64, 48)
+    assert (reads.layer_max_rows, reads.head_max_rows) == (QUANTIZED_MAX_ROWS["q4_1"],
+                                                           QUANTIZED_MAX_ROWS["q8_0"])
     cfg = ModelConfig.from_dir(smollm2_dir)
     dense, blocks = ModelCost.from_config(cfg, 4), ModelCost.from_config(cfg, 4, blocks=reads)
-    one, many = blocks.decode(1, 100), blocks.decode(65, 100)
+    above = reads.layer_max_rows + 1  # past both thresholds: every weight read in fp32
+    one, many = blocks.decode(1, 100), blocks.decode(above, 100)
     # ~0.75 bytes a layer weight and ~1.06 a head weight instead of 4.
     assert one.bytes_read < dense.decode(1, 100).bytes_read / 4
     assert one.flops == dense.decode(1, 100).flops
-    assert many.bytes_read == dense.decode(65, 100).bytes_read
+    assert many.bytes_read == dense.decode(above, 100).bytes_read
     layers_saved = reads.layer_bytes - reads.layer_params * 4
     head_saved = reads.head_bytes - cfg.vocab_size * cfg.hidden_size * 4
     saved = [blocks.decode(rows, 100).bytes_read - dense.decode(rows, 100).bytes_read

@@ -10,8 +10,8 @@ later processes load it with `torch.ops.load_library` without importing cpp_exte
 (which imports setuptools: ~0.2 s of every server's start).
 
 -ffp-contract=off keeps a written multiply and add two roundings (GCC would fuse them,
-even across intrinsics), as the quantized kernels' exact dequantization needs; explicit
-FMA intrinsics stay FMAs.
+even across intrinsics), as the rotary kernel's bit-for-bit agreement with the torch
+path and the vector exp's with its scalar twin need; explicit FMA intrinsics stay FMAs.
 
 The kernels are a speed-up, never a requirement: without a compiler (or ninja), or
 when the build fails, the caller keeps the plain torch path and the reason is logged
