@@ -41,6 +41,18 @@ SERVED_NAME=smollm2
 # KV cache a fixed size (GiB).
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+# vLLM's CPU install guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD "for best
+# performance" (its worker warns without them), so its processes get the ones found here
+# (tcmalloc: `apt-get install libtcmalloc-minimal4`; libiomp5 comes with vllm-cpu's venv).
+# VLLM_LD_PRELOAD overrides the list; empty turns it off.
+default_vllm_preload() {
+  local libs=() lib
+  for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$VENV/lib/libiomp5.so"; do
+    [[ -e $lib ]] && libs+=("$(realpath "$lib")")
+  done
+  (IFS=:; echo "${libs[*]}")
+}
+VLLM_LD_PRELOAD=${VLLM_LD_PRELOAD-$(default_vllm_preload)}
 
 SERVER_PIDS=()
 
@@ -159,7 +171,8 @@ offline() {
         --output-json "$OUT/ridgeline_offline.json" ;;
     vllm)
       log "vLLM offline (LLM.generate), the same token prompts as Ridgeline's"
-      "$VENV/bin/python" benchmarks/vllm_offline.py "$MODEL_DIR" 64 128 128 "$DTYPE" \
+      LD_PRELOAD=$VLLM_LD_PRELOAD "$VENV/bin/python" benchmarks/vllm_offline.py \
+        "$MODEL_DIR" 64 128 128 "$DTYPE" \
         "$OUT/vllm_offline.json" ;;
   esac
 }
@@ -193,7 +206,8 @@ start_server() {
       log "vLLM online (its API server; it takes minutes to start on this machine)"
       # The module, not the `vllm serve` script: that one looks up the version of a
       # distribution named "vllm", and the CPU build is installed as "vllm-cpu".
-      "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+      LD_PRELOAD=$VLLM_LD_PRELOAD \
+        "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
         --dtype "$DTYPE" --served-model-name "$SERVED_NAME" --port "$VLLM_PORT" --seed 0 \
         > "$OUT/vllm_server.log" 2>&1 &
       pid=$!
@@ -270,7 +284,7 @@ main() {
       # vllm-cpu's: from an editable install under PYTHONDONTWRITEBYTECODE=1 (this
       # machine's environment) every start would compile ~13,000 lines again.
       python -m compileall -q app gpu models > /dev/null
-      log "$DTYPE; shapes: $SHAPES; clients: $CLIENTS"
+      log "$DTYPE; shapes: $SHAPES; clients: $CLIENTS; vLLM's LD_PRELOAD: ${VLLM_LD_PRELOAD:-none}"
       run_all
       python benchmarks/peers_summary.py "$OUT" | tee "$OUT/summary.md"
       ;;
