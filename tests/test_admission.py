@@ -99,6 +99,22 @@ def test_arrival_refused_when_the_predicted_wait_passes_the_deadline():
     ctl.check_arrival(req(2), RequestSLO(), ahead=20, running=4, now=now)  # no deadline
 
 
+def test_a_request_that_starts_at_once_is_never_refused_on_a_prediction():
+    """With a free slot there is no wait, so no refusal at arrival, whatever the model
+    predicts for the prefill (run_peers run 18: a wrongly fitted model put an idle
+    server's 832-token prefill past the client's 600 s timeout, and refused it)."""
+    ctl = trained(b=1.0)  # a second per token: 8 prompt tokens "take" 8 s
+    now = 1000.0
+    assert ctl.prefill_seconds(req(0), running=0) > 1.0
+    ctl.check_arrival(req(0), RequestSLO(ttft_deadline=now + 1.0), ahead=0, running=0,
+                      now=now)  # a free slot: admitted
+    ctl.check_arrival(req(1), RequestSLO(ttft_deadline=now + 1.0), ahead=1, running=2,
+                      now=now)  # a slot left for it too (max_num_seqs is 4): admitted
+    with pytest.raises(QueueFull):  # every slot taken: it would wait, and miss
+        ctl.check_arrival(req(2), RequestSLO(ttft_deadline=now + 1.0), ahead=0, running=4,
+                          now=now)
+
+
 def test_waiting_requests_past_their_deadline_are_shed_unstarted_ones_only():
     ctl = trained()
     s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64),

@@ -6,10 +6,10 @@ server does it (`PanelBlocks.of`). Exactness is checked with x = identity: then 
 output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantized
 weight itself and must equal the reference bit for bit. (Scales are f16 values, as in
 a GGUF file and as `PanelBlocks` demands, so `d * q` is exact in fp32 and the kernel's
-fused multiply-add rounds like numpy's multiply then add.) Random x then checks the matmul, with row
-counts around the switch from in-register widening (up to 8 rows) to packed tiles of
-12, K within and across the 128-k chunks, and output counts that leave the last
-32-row panel partly empty.
+fused multiply-add rounds like numpy's multiply then add.) Random x then checks the
+matmul, with row counts around the switch from in-register widening (up to 8 rows) to
+packed tiles of 12, K within and across the 128-k chunks, and output counts that leave
+the last 32-row panel partly empty.
 """
 
 from __future__ import annotations

@@ -13,8 +13,11 @@ So each request may carry two targets (`RequestSLO`):
 
 and the engine acts on them in three places:
 
-1. **At arrival** (`check_arrival`): if the predicted wait plus prefill already
-   passes the deadline, refuse now with 503 and a Retry-After of the predicted wait.
+1. **At arrival** (`check_arrival`): if the request would queue and the predicted
+   wait plus prefill already passes the deadline, refuse now with 503 and a
+   Retry-After of the predicted wait. One that starts at once is never refused: an
+   idle server loses nothing by serving it, and a prediction alone, taken just after
+   the load changed shape, once put an 832-token prefill past a 600 s deadline.
 2. **In the queue** (`expired`): a waiting request that can no longer make its
    deadline is shed (503) before it costs a prefill.
 3. **Into the batch** (`can_join`, `prefill_budget`): a request joins the running
@@ -152,8 +155,8 @@ class AdmissionController:
         if slo.ttft_deadline is None:
             return
         wait = self.wait_seconds(ahead, running)
-        if wait is None:
-            return  # nothing measured yet: let it in, the queue check still applies
+        if wait is None or wait == 0.0:
+            return  # nothing measured yet, or it starts at once: let it in
         if now + wait + self.prefill_seconds(req, running) > slo.ttft_deadline:
             raise QueueFull(f"cannot start within the request's deadline (predicted wait "
                             f"{wait:.1f} s)", reason="deadline", retry_after=wait)

@@ -14,7 +14,7 @@
 // fp32 and only the add rounds, in both. That holds only for f16 scales, so PanelBlocks
 // refuses others (gpu/cpu_linear.py). One instruction fewer per 16 weights: 0.86x the
 // time at one row with the weights in cache, 0.95x at 8.
-
+//
 // Layout: panels of kPanel = 32 output rows (gpu/cpu_linear.py repacks the GGUF's row
 // order at load; N is padded to whole panels with zero blocks). Per panel p and block
 // b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
