@@ -38,8 +38,8 @@ import numpy as np
 from app.engine.errors import QueueFull
 from app.engine.request import Request, RequestSLO
 
-# Exponential forgetting per observation: the model follows the last few hundred steps.
-FORGET = 0.98
+# Exponential forgetting per observation: the model follows the last ~100 steps (1/(1-F)).
+FORGET = 0.99
 # The prior's variance, and the most any direction of the estimate's covariance may reach.
 P_MAX = 1e3
 # Once trained, a step counts as at most this many times its prediction (plus 5 ms) off.
@@ -55,10 +55,22 @@ class StepTimeModel:
     token (weights are read once per step, but activations and attention grow with
     tokens), and a cost per sequence (sampling, attention setup).
 
+    The fit runs on tokens and sequences as fractions of the step's budgets
+    (`max_num_batched_tokens`, `max_num_seqs`), so all three coefficients are seconds
+    (a step's fixed cost, a full step of tokens, a full batch) and one prior variance
+    (P_MAX) means the same for each. In raw counts it did not: the prior on a cost per
+    token was as wide, in seconds², as the one on the fixed cost, while a step's token
+    count is up to 2048 times a fixed cost's 1. Replaying step traces recorded in
+    `run_peers.sh` (conc32, Poisson, chat, and 1292 admission steps, in all 24 orders)
+    put ~2900 of ~69000 predictions off by more than 3x, one 832-token prefill at 60 s
+    (it takes ~1 s); with the fractions, none, for any P_MAX from 1e3 to 1e4 and
+    budgets from 512 x 32 to 8192 x 256. (FORGET = 0.98 still broke with some P_MAX
+    and budgets; 0.99 did not. `tests/test_admission.py` replays a synthetic version.)
+
     Forgetting divides the covariance `p` by FORGET every step, also along directions
     the steps do not vary in: a long run of one-sequence decodes (tokens = seqs = 1)
     never tells a fixed cost from a per-sequence one, so that direction grew by
-    1/0.98 a step — to ~1e21 over 3000 steps, where rounding left `p` no longer
+    1/FORGET a step — at 0.98, to ~1e21 over 3000 steps, where rounding left `p` no longer
     positive definite and the fit went wild on the next load. (In `run_peers.sh`,
     after conc1, the chat load had 32 of 64 requests shed as unable to start within
     600 s.) So no direction of `p` may exceed the prior's variance: the model is never
@@ -72,13 +84,14 @@ class StepTimeModel:
     engine twice as slow from now on) is inside the clip and is learnt at full speed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, token_budget: int, seq_budget: int) -> None:
+        self.budgets = (float(token_budget), float(seq_budget))
         self.theta = [0.0, 0.0, 0.0]
         self.p = [[P_MAX if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.samples = 0
 
     def observe(self, tokens: int, seqs: int, seconds: float) -> None:
-        x = (1.0, float(tokens), float(seqs))
+        x = self._features(tokens, seqs)
         px = [sum(self.p[i][j] * x[j] for j in range(3)) for i in range(3)]
         gain_den = FORGET + sum(x[i] * px[i] for i in range(3))
         k = [v / gain_den for v in px]
@@ -98,16 +111,24 @@ class StepTimeModel:
     def ready(self) -> bool:
         return self.samples >= 8
 
+    def _features(self, tokens: float, seqs: float) -> tuple[float, float, float]:
+        return (1.0, tokens / self.budgets[0], seqs / self.budgets[1])
+
+    def costs(self) -> tuple[float, float, float]:
+        """Seconds per step, per token and per sequence (none negative)."""
+        a, b, c = (max(0.0, t) for t in self.theta)
+        return a, b / self.budgets[0], c / self.budgets[1]
+
     def predict(self, tokens: int, seqs: int) -> float:
-        a, b, c = self.theta
-        return max(0.0, a) + max(0.0, b) * tokens + max(0.0, c) * seqs
+        a, b, c = self.costs()
+        return a + b * tokens + c * seqs
 
 
 class AdmissionController:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.steps = StepTimeModel()
+        self.steps = StepTimeModel(max_num_batched_tokens, max_num_seqs)
         # Requests started per second while some waited: how fast the queue drains.
         self._starts = 0.0
         self._busy = 0.0
@@ -182,8 +203,8 @@ class AdmissionController:
                    and r.num_output_tokens > 0]
         if not targets or not self.steps.ready:
             return None
-        a, b, c = self.steps.theta
+        a, b, c = self.steps.costs()
         if b <= 0:
             return None
-        room = (min(targets) - max(0.0, a) - max(0.0, c) * (decodes + 1)) / b - decodes
+        room = (min(targets) - a - c * (decodes + 1)) / b - decodes
         return max(MIN_PREFILL_CHUNK, int(room))
