@@ -115,9 +115,10 @@ def test_matmul_matches_fp32(m, k) -> None:
 
 
 @needs_kernels
-def test_x_with_a_row_stride() -> None:
+@pytest.mark.parametrize("m", [5, 20])  # the direct path; the buffered one reads rows too
+def test_x_with_a_row_stride(m) -> None:
     """x may be a view into a wider buffer (e.g. one part of a fused projection)."""
-    wide = torch.randn(5, 2 * 64)
+    wide = torch.randn(m, 2 * 64)
     x = wide[:, 32:96]
     assert not x.is_contiguous()
     q4 = random_q4_1(9, 64)

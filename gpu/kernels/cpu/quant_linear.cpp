@@ -25,15 +25,20 @@
 // sums (the previous layout, one output's blocks in a row, needed them).
 //
 // Algorithm, parallel over panels:
-//   - up to kDirectMaxRows x rows: each block is widened in registers and multiplied
-//     into every x row (x[m][k] broadcast), never stored;
-//   - more rows: x is first packed into tiles of kTile rows, [K][kTile], so a
-//     micro-kernel reads its broadcasts from one stream; then per chunk of kChunk k the
-//     panel's weights are widened once into an L1 buffer ([kChunk][32] floats, 16 KB)
-//     and every tile runs over it with 2 x kTile accumulators, carried across chunks in
-//     the output. Blocking k that way keeps the buffer in L1 and the packed x in L2:
-//     0.79-0.87x the time of the dot-product kernel it replaced at 16-64 rows, 0.83x at
-//     8, level at 1-4 (SmolLM2's four layer shapes, 30 copies each, 2 threads).
+//   - up to kTile (12) x rows: each block is widened in registers and multiplied into
+//     every x row (x[m][k] broadcast), never stored;
+//   - more rows: per chunk of kChunk k the panel's weights are widened once into an L1
+//     buffer ([kChunk][32] floats, 16 KB) and every tile of up to kTile x rows runs
+//     over it with 2 x kTile accumulators, carried across chunks in the output. Blocking
+//     k that way keeps the buffer in L1 and x's rows in L2: 0.79-0.87x the time of the
+//     dot-product kernel it replaced at 16-64 rows, 0.83x at 8, level at 1-4 (SmolLM2's
+//     four layer shapes, 30 copies each, 2 threads).
+// The direct path used to stop at 8 rows and the buffered one read x from a packed
+// copy ([K][kTile] per tile, one broadcast stream). Direct up to 12 rows is 0.80-0.89x
+// at 9-12 (widening in registers beats widening into a buffer, even at 12 rows, where
+// 24 accumulators and the widened weights no longer all fit in 32 registers), and
+// reading x's rows in place, 12 short streams, was 0.82-1.0x at 14-48: one parallel
+// region and a copy fewer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,8 +58,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;          // weights per GGML block (Q4_1 and Q8_0 alike)
 constexpr int64_t kPanel = 32;          // output rows per panel: two 16-lane vectors
-constexpr int64_t kDirectMaxRows = 8;   // up to here: widen in registers, per x tile of 8
-constexpr int64_t kTile = 12;           // x rows per packed micro-kernel: 24 accumulators
+constexpr int64_t kTile = 12;           // x rows per micro-kernel: 24 accumulators
 constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
 
 // One Q4_1 weight matrix in panels. `weight` (portable) or `block`/`widen` (AVX-512).
@@ -167,11 +171,11 @@ inline void tile_direct(const W& w, int64_t p, const float* x, int64_t xs, float
   }
 }
 
-// R packed x rows (xp: [kc][kTile]) against kc widened k of a panel (wbuf: [kc][32]),
-// added to what `out` holds unless this is the first chunk.
+// R x rows (row stride xs, from the chunk's first k) against kc widened k of a panel
+// (wbuf: [kc][32]), added to what `out` holds unless this is the first chunk.
 template <int R>
-inline void tile_packed(const float* wbuf, int64_t kc, const float* xp, float* out, int64_t os,
-                        int64_t cols, bool first) {
+inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t xs, float* out,
+                          int64_t os, int64_t cols, bool first) {
   __mmask16 m0, m1;
   column_masks(cols, m0, m1);
   __m512 acc[R][2];
@@ -183,7 +187,7 @@ inline void tile_packed(const float* wbuf, int64_t kc, const float* xp, float* o
     const __m512 w0 = _mm512_loadu_ps(wbuf + k * kPanel);
     const __m512 w1 = _mm512_loadu_ps(wbuf + k * kPanel + 16);
     for (int t = 0; t < R; ++t) {
-      const __m512 xv = _mm512_set1_ps(xp[k * kTile + t]);
+      const __m512 xv = _mm512_set1_ps(x[t * xs + k]);
       acc[t][0] = _mm512_fmadd_ps(w0, xv, acc[t][0]);
       acc[t][1] = _mm512_fmadd_ps(w1, xv, acc[t][1]);
     }
@@ -225,7 +229,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
 #ifdef __AVX512F__
   // ~64k weights per task at least: below that a thread's start costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
-  if (M <= kDirectMaxRows) {
+  if (M <= kTile) {
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
@@ -237,20 +241,6 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
     return;
   }
   const int64_t tiles = (M + kTile - 1) / kTile;
-  // Tile t: [K][kTile]; rows past M are never read (tile_packed takes the row count).
-  // Kept per thread and grown as needed: a fresh zeroed vector on every call was a
-  // page-faulting allocation of up to ~0.4 MB at 64 rows.
-  static thread_local std::vector<float> packed;
-  if (packed.size() < static_cast<size_t>(tiles * K * kTile)) packed.resize(tiles * K * kTile);
-  float* const x_tiles = packed.data();  // the parallel regions' `packed` is their own
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t r = 0; r < std::min(kTile, M - t * kTile); ++r) {
-        const float* src = x_ptr + (t * kTile + r) * xs;
-        float* dst = x_tiles + t * K * kTile + r;
-        for (int64_t k = 0; k < K; ++k) dst[k * kTile] = src[k];
-      }
-  });
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> wbuf(kChunk * kPanel);
     for (int64_t p = begin; p < end; ++p) {
@@ -271,10 +261,9 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
         }
         for (int64_t t = 0; t < tiles; ++t) {
           with_rows(std::min(kTile, M - t * kTile), [&](auto R) {
-            tile_packed<decltype(R)::value>(wbuf.data(), kc,
-                                            x_tiles + t * K * kTile + k0 * kTile,
-                                            out_ptr + t * kTile * N + p * kPanel, N, cols,
-                                            k0 == 0);
+            tile_buffered<decltype(R)::value>(wbuf.data(), kc, x_ptr + t * kTile * xs + k0,
+                                              xs, out_ptr + t * kTile * N + p * kPanel, N,
+                                              cols, k0 == 0);
           });
         }
       }
