@@ -139,13 +139,24 @@ def plan_kv_cache(
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One layer's K or V pool, all zeros, so that stale NaNs can never leak through a mask.
 
-    On CPU it is an anonymous memory mapping, which the kernel hands out as zero pages
-    on first touch: the pool costs nothing at start (writing 1 GiB of zeros took ~0.3 s
-    of the server's start-up), and blocks no request ever used are never faulted in.
-    The tensor keeps the mapping alive."""
+    On CPU it is a private anonymous memory mapping, which the kernel hands out as zero
+    pages on first touch: the pool costs nothing at start (writing 1 GiB of zeros took
+    ~0.3 s of the server's start-up), and memory no request ever used is never faulted
+    in. The tensor keeps the mapping alive.
+
+    It is advised onto 2 MB huge pages (Linux's transparent huge pages, in their usual
+    `madvise` mode). Decode attention jumps to another 4 KB block every 16 tokens, and
+    on 4 KB pages every jump was a TLB miss: on huge pages the C++ decode kernel takes
+    0.81-0.83x the time (B x context 4 x 400 to 32 x 250 and 16 x 900, 30 layers'
+    pools, one process). The mapping must be private for that: a shared anonymous one
+    (mmap's default) is shmem, whose huge pages are usually off."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
+    buffer = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
