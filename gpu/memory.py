@@ -142,14 +142,16 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     On CPU it is a private anonymous memory mapping, which the kernel hands out as zero
     pages on first touch: the pool costs nothing at start (writing 1 GiB of zeros took
     ~0.3 s of the server's start-up), and memory no request ever used is never faulted
-    in. The tensor keeps the mapping alive.
+    in. The tensor keeps the mapping alive. Private, not mmap's default shared mapping:
+    shared anonymous memory is shmem, slower to fault in (1 GiB: 390-410 ms against
+    270-290 ms) and outside the host's transparent-huge-page setting, which a private
+    mapping follows (where it is `always`, the pool gets huge pages).
 
-    It is advised onto 2 MB huge pages (Linux's transparent huge pages, in their usual
-    `madvise` mode). Decode attention jumps to another 4 KB block every 16 tokens, and
-    on 4 KB pages every jump was a TLB miss: on huge pages the C++ decode kernel takes
-    0.81-0.83x the time (B x context 4 x 400 to 32 x 250 and 16 x 900, 30 layers'
-    pools, one process). The mapping must be private for that: a shared anonymous one
-    (mmap's default) is shmem, whose huge pages are usually off."""
+    The pool is not advised onto huge pages (MADV_HUGEPAGE) itself. Touched in advance
+    they made the decode kernel 0.81-0.83x, but the first touch is where they cost: on
+    this host, with memory full of page cache, faulting in 1 GiB of them took 4.9 s
+    (0.17 s once freed huge pages were at hand), and offline throughput fell to 0.78x.
+    A server would pay that inside its first steps, as latency spikes."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -157,6 +159,4 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         return torch.zeros(shape, dtype=dtype)
     private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
     buffer = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
