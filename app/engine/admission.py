@@ -63,9 +63,10 @@ class StepTimeModel:
     count is up to 2048 times a fixed cost's 1. Replaying step traces recorded in
     `run_peers.sh` (conc32, Poisson, chat, and 1292 admission steps, in all 24 orders)
     put ~2900 of ~69000 predictions off by more than 3x, one 832-token prefill at 60 s
-    (it takes ~1 s); with the fractions, none, for any P_MAX from 1e3 to 1e4 and
-    budgets from 512 x 32 to 8192 x 256. (FORGET = 0.98 still broke with some P_MAX
-    and budgets; 0.99 did not. `tests/test_admission.py` replays a synthetic version.)
+    (it takes ~1 s); with the fractions, at most one per order, for any P_MAX from 1e3
+    to 1e4 and budgets from 512 x 32 to 8192 x 256. (FORGET = 0.98 still broke with
+    some P_MAX and budgets; 0.99 did not. `tests/test_admission.py` replays a synthetic
+    version.)
 
     Forgetting divides the covariance `p` by FORGET every step, also along directions
     the steps do not vary in: a long run of one-sequence decodes (tokens = seqs = 1)
