@@ -85,7 +85,7 @@ def test_step_time_model_leans_little_on_a_paused_step():
 
 
 def run_peers_like_steps(seed: int):
-    """(tokens, seqs, seconds) of a synthetic run_peers.sh session on the step budgets
+    """(tokens, seqs, seconds, paused) of a synthetic run_peers.sh session on the budgets
     2048 x 256: conc32 (two waves of 32 prompts of 128, then decodes), conc1 (eight
     requests one at a time), chat (16 prompts of ~832 beside the decodes, four times).
     Each step's time is a + b·tokens + c·seqs with 15 % noise; 1 % of steps are
