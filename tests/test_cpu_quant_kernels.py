@@ -7,9 +7,9 @@ output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantize
 weight itself and must equal the reference bit for bit. (Scales are f16 values, as in
 a GGUF file and as `PanelBlocks` demands, so `d * q` is exact in fp32 and the kernel's
 fused multiply-add rounds like numpy's multiply then add.) Random x then checks the
-matmul, with row counts around the switch from in-register widening (up to 8 rows) to
-packed tiles of 12, K within and across the 128-k chunks, and output counts that leave
-the last 32-row panel partly empty.
+matmul, with row counts around the switch from in-register widening (up to 12 rows) to
+widening into a buffer for tiles of 12, K within and across the 128-k chunks, and output
+counts that leave the last 32-row panel partly empty.
 """
 
 from __future__ import annotations
