@@ -7,9 +7,9 @@ output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantize
 weight itself and must equal the reference bit for bit. (Scales are f16 values, as in
 a GGUF file and as `PanelBlocks` demands, so `d * q` is exact in fp32 and the kernel's
 fused multiply-add rounds like numpy's multiply then add.) Random x then checks the
-matmul, with row counts around the switch from in-register widening (up to 12 rows) to
-widening into a buffer for tiles of 12, K within and across the 128-k chunks, and output
-counts that leave the last 32-row panel partly empty.
+matmul, with row counts around the kernel's switches (tiles of up to 12 rows; widening
+in registers once per tile up to 24 rows, into a buffer above), K within and across
+the 128-k chunks, and output counts that leave the last 32-row panel partly empty.
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ def dequant_q8_0(qweight, scales) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("k", [64, 576])
 def test_dequantization_is_bit_exact(k) -> None:
-    """Through both paths: a few rows (dequantized in registers) and many (a buffer)."""
+    """Through both paths: up to 24 rows (dequantized in registers, one tile or several)
+    and more (a buffer)."""
     eye = torch.eye(k)
     q4, q8 = random_q4_1(70, k), random_q8_0(70, k)
     w4, w8 = dequant_q4_1(*q4), dequant_q8_0(*q8)
-    for rows in (slice(0, 5), slice(None)):
+    for rows in (slice(0, 5), slice(0, 20), slice(None)):
         assert torch.equal(q4_1(eye[rows], *q4).T, w4[:, rows])
         assert torch.equal(q8_0(eye[rows], *q8).T, w8[:, rows])
 
@@ -101,7 +102,7 @@ def test_panels_refuse_scales_that_are_not_f16_values() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("k", [64, 576])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 13, 25, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 13, 24, 25, 64])
 def test_matmul_matches_fp32(m, k) -> None:
     n = 70  # the last of three 32-row panels is partly empty
     x = torch.randn(m, k)
@@ -115,7 +116,7 @@ def test_matmul_matches_fp32(m, k) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [5, 20])  # the direct path; the buffered one reads rows too
+@pytest.mark.parametrize("m", [5, 20, 30])  # direct: one tile, two; buffered
 def test_x_with_a_row_stride(m) -> None:
     """x may be a view into a wider buffer (e.g. one part of a fused projection)."""
     wide = torch.randn(m, 2 * 64)

@@ -24,21 +24,21 @@
 // the kernel is an outer product, outputs along the vector lanes, with no horizontal
 // sums (the previous layout, one output's blocks in a row, needed them).
 //
-// Algorithm, parallel over panels:
-//   - up to kTile (12) x rows: each block is widened in registers and multiplied into
-//     every x row (x[m][k] broadcast), never stored;
+// Algorithm, parallel over panels; x's rows are split into tiles of equal size, at most
+// kTile (12), each read in place (row stride xs):
+//   - up to kDirectMaxRows (24) x rows: per tile, each block is widened in registers and
+//     multiplied into the tile's rows (x[m][k] broadcast), never stored. A panel's
+//     weights (12-30 KB) stay in L1/L2 for its second tile;
 //   - more rows: per chunk of kChunk k the panel's weights are widened once into an L1
-//     buffer ([kChunk][32] floats, 16 KB) and every tile of up to kTile x rows runs
-//     over it with 2 x kTile accumulators, carried across chunks in the output. Blocking
-//     k that way keeps the buffer in L1 and x's rows in L2: 0.79-0.87x the time of the
-//     dot-product kernel it replaced at 16-64 rows, 0.83x at 8, level at 1-4 (SmolLM2's
-//     four layer shapes, 30 copies each, 2 threads).
-// The direct path used to stop at 8 rows and the buffered one read x from a packed
-// copy ([K][kTile] per tile, one broadcast stream). Direct up to 12 rows is 0.80-0.89x
-// at 9-12 (widening in registers beats widening into a buffer, even at 12 rows, where
-// 24 accumulators and the widened weights no longer all fit in 32 registers), and
-// reading x's rows in place, 12 short streams, was 0.82-1.0x at 14-48: one parallel
-// region and a copy fewer.
+//     buffer ([kChunk][32] floats, 16 KB) and every tile runs over it with 2 x kTile
+//     accumulators, carried across chunks in the output. Blocking k that way keeps the
+//     buffer in L1 and x's rows in L2.
+// Why the switch sits at 24 rows: widening a block again for each tile costs fewer
+// cycles than storing it to the buffer and loading it back, until the tiles' FMAs are
+// most of the work. Against the buffered path (SmolLM2's four Q4_1 layer shapes, 30
+// copies each, 2 threads, paired rounds): 0.86-0.94x at 13-20 rows, 0.90-0.99x at 24,
+// level at 26-32 (0.96-1.05x over four rounds), 1.05x at 40; the Q8_0 head 0.84-0.90x
+// at 13-24. Equal tiles (9 + 9 for 18 rows, not 12 + 6) are 0.97-0.98x at 13-30.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,6 +60,7 @@ constexpr int64_t kBlock = 32;          // weights per GGML block (Q4_1 and Q8_0
 constexpr int64_t kPanel = 32;          // output rows per panel: two 16-lane vectors
 constexpr int64_t kTile = 12;           // x rows per micro-kernel: 24 accumulators
 constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
+constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
 
 // One Q4_1 weight matrix in panels. `weight` (portable) or `block`/`widen` (AVX-512).
 struct Q4_1 {
@@ -234,18 +235,22 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
 #ifdef __AVX512F__
   // ~64k weights per task at least: below that a thread's start costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
-  if (M <= kTile) {
+  // Tiles of equal size (18 rows: 9 + 9, not 12 + 6).
+  const int64_t tiles = (M + kTile - 1) / kTile, tile = (M + tiles - 1) / tiles;
+  if (M <= kDirectMaxRows) {
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
-        with_rows(M, [&](auto T) {
-          tile_direct<decltype(T)::value>(w, p, x_ptr, xs, out_ptr + p * kPanel, N, cols);
-        });
+        for (int64_t r0 = 0; r0 < M; r0 += tile) {
+          with_rows(std::min(tile, M - r0), [&](auto T) {
+            tile_direct<decltype(T)::value>(w, p, x_ptr + r0 * xs, xs,
+                                            out_ptr + r0 * N + p * kPanel, N, cols);
+          });
+        }
       }
     });
     return;
   }
-  const int64_t tiles = (M + kTile - 1) / kTile;
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> wbuf(kChunk * kPanel);
     for (int64_t p = begin; p < end; ++p) {
@@ -264,11 +269,11 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
             _mm512_storeu_ps(row + 16 * kPanel + 16, hi1);
           }
         }
-        for (int64_t t = 0; t < tiles; ++t) {
-          with_rows(std::min(kTile, M - t * kTile), [&](auto R) {
-            tile_buffered<decltype(R)::value>(wbuf.data(), kc, x_ptr + t * kTile * xs + k0,
-                                              xs, out_ptr + t * kTile * N + p * kPanel, N,
-                                              cols, k0 == 0);
+        for (int64_t r0 = 0; r0 < M; r0 += tile) {
+          with_rows(std::min(tile, M - r0), [&](auto R) {
+            tile_buffered<decltype(R)::value>(wbuf.data(), kc, x_ptr + r0 * xs + k0, xs,
+                                              out_ptr + r0 * N + p * kPanel, N, cols,
+                                              k0 == 0);
           });
         }
       }
