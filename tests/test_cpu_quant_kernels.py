@@ -7,9 +7,10 @@ output is one weight times 1.0 plus zeros, so `out.T` is the kernel's dequantize
 weight itself and must equal the reference bit for bit. (Scales are f16 values, as in
 a GGUF file and as `PanelBlocks` demands, so `d * q` is exact in fp32 and the kernel's
 fused multiply-add rounds like numpy's multiply then add.) Random x then checks the
-matmul, with row counts around the kernel's switches (tiles of up to 12 rows; widening
-in registers once per tile up to 24 rows, into a buffer above), K within and across
-the 128-k chunks, and output counts that leave the last 32-row panel partly empty.
+matmul, with row counts around the kernel's switches (scales per block up to 4 rows;
+tiles of up to 12 rows, widened in registers up to 24 rows, into a buffer above), K
+within and across the 128-k chunks, and output counts that leave the last 32-row panel
+partly empty.
 """
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ def dequant_q8_0(qweight, scales) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("k", [64, 576])
 def test_dequantization_is_bit_exact(k) -> None:
-    """Through both paths: up to 24 rows (dequantized in registers, one tile or several)
-    and more (a buffer)."""
+    """Through every path: up to 4 rows (scales applied per block), up to 24 (weights
+    dequantized in registers, one tile or two) and more (into a buffer)."""
     eye = torch.eye(k)
     q4, q8 = random_q4_1(70, k), random_q8_0(70, k)
     w4, w8 = dequant_q4_1(*q4), dequant_q8_0(*q8)
-    for rows in (slice(0, 5), slice(0, 20), slice(None)):
+    for rows in (slice(0, 3), slice(0, 5), slice(0, 20), slice(None)):
         assert torch.equal(q4_1(eye[rows], *q4).T, w4[:, rows])
         assert torch.equal(q8_0(eye[rows], *q8).T, w8[:, rows])
 
@@ -102,7 +103,7 @@ def test_panels_refuse_scales_that_are_not_f16_values() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("k", [64, 576])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 13, 24, 25, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 12, 13, 24, 25, 64])
 def test_matmul_matches_fp32(m, k) -> None:
     n = 70  # the last of three 32-row panels is partly empty
     x = torch.randn(m, k)

@@ -6,26 +6,19 @@
 // 0.75 (Q4_1: 16 nibble bytes + fp32 d and m per 32) or 1.125 (Q8_0) bytes per weight
 // and are widened in registers.
 //
-// Exactness: every weight is dequantized exactly as gguf-py's numpy dequantizer does
-// it in float32 — Q4_1 `(d * q) + m` (a multiply, then an add), Q8_0 `q * d` — so the
-// served fp32 weights and these agree bit for bit, and the results differ from an fp32
-// matmul only by summation order. Q4_1 widens with one fused multiply-add all the same:
-// d and m are f16 values in a GGUF (11 significant bits), so d * q (q < 16) is exact in
-// fp32 and only the add rounds, in both. That holds only for f16 scales, so PanelBlocks
-// refuses others (gpu/cpu_linear.py). One instruction fewer per 16 weights: 0.86x the
-// time at one row with the weights in cache, 0.95x at 8.
-//
-// Layout: panels of kPanel = 32 output rows (gpu/cpu_linear.py repacks the GGUF's row
-// order at load; N is padded to whole panels with zero blocks). Per panel p and block
-// b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
-// output 32p + n in its low nibble and k = 32b + j + 16 in its high one (GGML's pairing,
-// transposed); Q8_0 qweight[p][b][j][n] (int8, j < 32) holds k = 32b + j. scales (and
-// Q4_1's mins) [p][b][n], fp32. So one 32-byte load gives a k's weights for 32 outputs:
-// the kernel is an outer product, outputs along the vector lanes, with no horizontal
-// sums (the previous layout, one output's blocks in a row, needed them).
+// Formats, layout and exactness: quant_blocks.h.
 //
 // Algorithm, parallel over panels; x's rows are split into tiles of equal size, at most
 // kTile (12), each read in place (row stride xs):
+//   - up to kPerBlockMaxRows (4) x rows: the levels q (not yet scaled) are multiplied
+//     into the rows, and the scales are applied once per block. At so few rows the
+//     kernel is bound by the instructions that widen the weights, not by memory (one
+//     row, in cache, ran at ~9.5 GB/s a thread, from memory ~6, where a plain sum
+//     reads ~11); this drops the per-weight scaling, 4 of 12 such instructions per 64
+//     weights for Q4_1. Against widening in registers (paired rounds): Q4_1 0.91-0.95x
+//     at 1-3 rows, 0.98x at 4; the Q8_0 head 0.89-0.95x at 1-4; a whole decode step
+//     0.94x at 1 row, 0.97x at 2. At 5-6 rows it was level, and tiles of up to 6 rows
+//     this way (their block sums take twice the registers) were 1.07-1.19x at 8-24;
 //   - up to kDirectMaxRows (24) x rows: per tile, each block is widened in registers and
 //     multiplied into the tile's rows (x[m][k] broadcast), never stored. A panel's
 //     weights (12-30 KB) stay in L1/L2 for its second tile;
@@ -50,96 +43,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_blocks.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kBlock = 32;          // weights per GGML block (Q4_1 and Q8_0 alike)
-constexpr int64_t kPanel = 32;          // output rows per panel: two 16-lane vectors
+using namespace quant;
+
 constexpr int64_t kTile = 12;           // x rows per micro-kernel: 24 accumulators
 constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
+constexpr int64_t kPerBlockMaxRows = 4;  // scales applied per block, not per weight, up to here
 constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
-
-// One Q4_1 weight matrix in panels. `weight` (portable) or `block`/`widen` (AVX-512).
-struct Q4_1 {
-  const uint8_t* qs;
-  const float* d;
-  const float* m;
-  int64_t K;
-
-  float weight(int64_t p, int64_t k, int64_t n) const {
-    const int64_t b = k / kBlock, j = k % kBlock, at = (p * (K / kBlock) + b) * kPanel + n;
-    const uint8_t q = qs[((p * (K / kBlock) + b) * 16 + j % 16) * kPanel + n];
-    const float scaled = d[at] * static_cast<float>(j < 16 ? q & 0x0F : q >> 4);
-    return scaled + m[at];
-  }
-
-#ifdef __AVX512F__
-  struct Block {
-    __m512 d0, d1, m0, m1;
-    const uint8_t* q;
-  };
-  inline Block block(int64_t p, int64_t b) const {
-    const int64_t at = (p * (K / kBlock) + b) * kPanel;
-    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), _mm512_loadu_ps(m + at),
-            _mm512_loadu_ps(m + at + 16), qs + at * 16};
-  }
-  // Weights k = j (lo) and k = j + 16 (hi) of the block, outputs 0-15 (0) and 16-31 (1).
-  // float(q) comes from a 16-entry table: vpermps reads only the low 4 bits of each
-  // index, so the low nibble needs no mask, and the lookup replaces the int-to-float
-  // convert. Two instructions fewer per 64 weights than mask-and-convert: 0.97-0.98x
-  // the time at 1-12 rows from memory, 0.89-0.95x with the weights in cache, level at 18.
-  static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
-                           __m512& hi1) {
-    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const uint8_t* q = bl.q + j * kPanel;
-    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m512i q1 =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-    lo0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q0, values), bl.d0, bl.m0);
-    lo1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q1, values), bl.d1, bl.m1);
-    hi0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), values), bl.d0, bl.m0);
-    hi1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), values), bl.d1, bl.m1);
-  }
-#endif
-};
-
-// One Q8_0 weight matrix in panels.
-struct Q8_0 {
-  const int8_t* qs;
-  const float* d;
-  int64_t K;
-
-  float weight(int64_t p, int64_t k, int64_t n) const {
-    const int64_t b = k / kBlock, j = k % kBlock;
-    return static_cast<float>(qs[((p * (K / kBlock) + b) * kBlock + j) * kPanel + n]) *
-           d[(p * (K / kBlock) + b) * kPanel + n];
-  }
-
-#ifdef __AVX512F__
-  struct Block {
-    __m512 d0, d1;
-    const int8_t* q;
-  };
-  inline Block block(int64_t p, int64_t b) const {
-    const int64_t at = (p * (K / kBlock) + b) * kPanel;
-    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), qs + at * kBlock};
-  }
-  static inline __m512 row(const int8_t* q, __m512 scale) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), scale);
-  }
-  static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
-                           __m512& hi1) {
-    lo0 = row(bl.q + j * kPanel, bl.d0);
-    lo1 = row(bl.q + j * kPanel + 16, bl.d1);
-    hi0 = row(bl.q + (j + 16) * kPanel, bl.d0);
-    hi1 = row(bl.q + (j + 16) * kPanel + 16, bl.d1);
-  }
-#endif
-};
 
 #ifdef __AVX512F__
 // Lane masks for the panel's two vectors when only `cols` of its 32 outputs exist.
@@ -168,6 +85,40 @@ inline void tile_direct(const W& w, int64_t p, const float* x, int64_t xs, float
         acc[t][1] = _mm512_fmadd_ps(hi1, xb, acc[t][1]);
       }
     }
+  }
+  __mmask16 m0, m1;
+  column_masks(cols, m0, m1);
+  for (int t = 0; t < T; ++t) {
+    _mm512_mask_storeu_ps(out + t * os, m0, acc[t][0]);
+    _mm512_mask_storeu_ps(out + t * os + 16, m1, acc[t][1]);
+  }
+}
+
+// T x rows against panel p with the scales applied once per block: the levels q are
+// multiplied into the x rows (no per-weight scaling), and each block adds d * sum(q x)
+// + m * sum(x) (x_sums: [T][K/32], row stride ks).
+template <int T, typename W>
+inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
+                           const float* x_sums, int64_t ks, float* out, int64_t os,
+                           int64_t cols) {
+  __m512 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.K / kBlock; ++b) {
+    const auto bl = w.block(p, b);
+    __m512 qx[T][2];
+    for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      __m512 lo0, lo1, hi0, hi1;
+      W::levels(bl, j, lo0, lo1, hi0, hi1);
+      for (int t = 0; t < T; ++t) {
+        const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
+        const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
+        qx[t][0] = _mm512_fmadd_ps(hi0, xb, _mm512_fmadd_ps(lo0, xa, qx[t][0]));
+        qx[t][1] = _mm512_fmadd_ps(hi1, xb, _mm512_fmadd_ps(lo1, xa, qx[t][1]));
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      W::add_block(bl, qx[t][0], qx[t][1], x_sums[t * ks + b], acc[t][0], acc[t][1]);
   }
   __mmask16 m0, m1;
   column_masks(cols, m0, m1);
@@ -224,6 +175,16 @@ inline void with_rows(int64_t rows, Fn&& fn) {
   }
 }
 static_assert(kTile == 12, "with_rows dispatches up to 12 rows");
+template <typename Fn>
+inline void with_few_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+static_assert(kPerBlockMaxRows == 4, "with_few_rows dispatches up to 4 rows");
 #endif
 
 template <typename W>
@@ -237,6 +198,26 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
   // Tiles of equal size (18 rows: 9 + 9, not 12 + 6).
   const int64_t tiles = (M + kTile - 1) / kTile, tile = (M + tiles - 1) / tiles;
+  if (M <= kPerBlockMaxRows) {
+    const int64_t blocks = K / kBlock;
+    std::vector<float> x_sums(M * blocks);
+    for (int64_t t = 0; t < M; ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) sum += x_ptr[t * xs + b * kBlock + j];
+        x_sums[t * blocks + b] = sum;
+      }
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t cols = std::min(kPanel, N - p * kPanel);
+        with_few_rows(M, [&](auto T) {
+          tile_per_block<decltype(T)::value>(w, p, x_ptr, xs, x_sums.data(), blocks,
+                                             out_ptr + p * kPanel, N, cols);
+        });
+      }
+    });
+    return;
+  }
   if (M <= kDirectMaxRows) {
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {

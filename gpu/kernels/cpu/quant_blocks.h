@@ -1,0 +1,150 @@
+// The GGUF block formats the CPU quant kernels read (quant_linear.cpp): Q4_1 and Q8_0
+// weights repacked into panels, each able to give a weight (portable code) or, on
+// AVX-512, a block's 32 x 32 levels or weights in registers.
+//
+// Layout: panels of kPanel = 32 output rows (gpu/cpu_linear.py repacks the GGUF's row
+// order at load; N is padded to whole panels with zero blocks). Per panel p and block
+// b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
+// output 32p + n in its low nibble and k = 32b + j + 16 in its high one (GGML's pairing,
+// transposed); Q8_0 qweight[p][b][j][n] (int8, j < 32) holds k = 32b + j. scales (and
+// Q4_1's mins) [p][b][n], fp32. So one 32-byte load gives a k's weights for 32 outputs:
+// the kernel is an outer product, outputs along the vector lanes, with no horizontal
+// sums (the previous layout, one output's blocks in a row, needed them).
+//
+// Exactness: every weight is dequantized exactly as gguf-py's numpy dequantizer does
+// it in float32 — Q4_1 `(d * q) + m` (a multiply, then an add), Q8_0 `q * d` — so the
+// served fp32 weights and these agree bit for bit, and the results differ from an fp32
+// matmul only by summation order. Q4_1 widens with one fused multiply-add all the same:
+// d and m are f16 values in a GGUF (11 significant bits), so d * q (q < 16) is exact in
+// fp32 and only the add rounds, in both. That holds only for f16 scales, so PanelBlocks
+// refuses others (gpu/cpu_linear.py). One instruction fewer per 16 weights: 0.86x the
+// time at one row with the weights in cache, 0.95x at 8. quant_linear.cpp's few-row path sums
+// q * x per block and scales once, d * sum(q x) + m * sum(x): the same sum regrouped,
+// which rounds differently at the level of fp32's epsilon, as a change of summation
+// order does. With x = identity it still gives every weight bit for bit (d * q is
+// exact, then one rounding for + m), which the tests check.
+//
+#pragma once
+
+#include <cstdint>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace quant {
+
+constexpr int64_t kBlock = 32;  // weights per GGML block (Q4_1 and Q8_0 alike)
+constexpr int64_t kPanel = 32;  // output rows per panel: two 16-lane vectors
+
+// One Q4_1 weight matrix in panels. `weight` (portable) or `block` with `levels`,
+// `widen` and `add_block` (AVX-512).
+struct Q4_1 {
+  const uint8_t* qs;
+  const float* d;
+  const float* m;
+  int64_t K;
+
+  float weight(int64_t p, int64_t k, int64_t n) const {
+    const int64_t b = k / kBlock, j = k % kBlock, at = (p * (K / kBlock) + b) * kPanel + n;
+    const uint8_t q = qs[((p * (K / kBlock) + b) * 16 + j % 16) * kPanel + n];
+    const float scaled = d[at] * static_cast<float>(j < 16 ? q & 0x0F : q >> 4);
+    return scaled + m[at];
+  }
+
+#ifdef __AVX512F__
+  struct Block {
+    __m512 d0, d1, m0, m1;
+    const uint8_t* q;
+  };
+  inline Block block(int64_t p, int64_t b) const {
+    const int64_t at = (p * (K / kBlock) + b) * kPanel;
+    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), _mm512_loadu_ps(m + at),
+            _mm512_loadu_ps(m + at + 16), qs + at * 16};
+  }
+  // The levels q of weights k = j (lo) and k = j + 16 (hi) of the block, as floats,
+  // outputs 0-15 (0) and 16-31 (1). float(q) comes from a 16-entry table: vpermps reads
+  // only the low 4 bits of each index, so the low nibble needs no mask, and the lookup
+  // replaces the int-to-float convert. Two instructions fewer per 64 weights than
+  // mask-and-convert: 0.97-0.98x the time at 1-12 rows from memory, 0.89-0.95x with the
+  // weights in cache, level at 18.
+  static inline void levels(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
+                            __m512& hi1) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint8_t* q = bl.q + j * kPanel;
+    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i q1 =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    lo0 = _mm512_permutexvar_ps(q0, values);
+    lo1 = _mm512_permutexvar_ps(q1, values);
+    hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), values);
+    hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), values);
+  }
+  // The weights themselves, d * q + m.
+  static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
+                           __m512& hi1) {
+    levels(bl, j, lo0, lo1, hi0, hi1);
+    lo0 = _mm512_fmadd_ps(lo0, bl.d0, bl.m0);
+    lo1 = _mm512_fmadd_ps(lo1, bl.d1, bl.m1);
+    hi0 = _mm512_fmadd_ps(hi0, bl.d0, bl.m0);
+    hi1 = _mm512_fmadd_ps(hi1, bl.d1, bl.m1);
+  }
+  // acc += d * (the block's sum of q * x) + m * (the block's sum of x).
+  static inline void add_block(const Block& bl, __m512 qx0, __m512 qx1, float x_sum,
+                               __m512& acc0, __m512& acc1) {
+    const __m512 xs = _mm512_set1_ps(x_sum);
+    acc0 = _mm512_fmadd_ps(bl.m0, xs, _mm512_fmadd_ps(bl.d0, qx0, acc0));
+    acc1 = _mm512_fmadd_ps(bl.m1, xs, _mm512_fmadd_ps(bl.d1, qx1, acc1));
+  }
+#endif
+};
+
+// One Q8_0 weight matrix in panels.
+struct Q8_0 {
+  const int8_t* qs;
+  const float* d;
+  int64_t K;
+
+  float weight(int64_t p, int64_t k, int64_t n) const {
+    const int64_t b = k / kBlock, j = k % kBlock;
+    return static_cast<float>(qs[((p * (K / kBlock) + b) * kBlock + j) * kPanel + n]) *
+           d[(p * (K / kBlock) + b) * kPanel + n];
+  }
+
+#ifdef __AVX512F__
+  struct Block {
+    __m512 d0, d1;
+    const int8_t* q;
+  };
+  inline Block block(int64_t p, int64_t b) const {
+    const int64_t at = (p * (K / kBlock) + b) * kPanel;
+    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), qs + at * kBlock};
+  }
+  static inline __m512 level(const int8_t* q) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  }
+  static inline void levels(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
+                            __m512& hi1) {
+    lo0 = level(bl.q + j * kPanel);
+    lo1 = level(bl.q + j * kPanel + 16);
+    hi0 = level(bl.q + (j + 16) * kPanel);
+    hi1 = level(bl.q + (j + 16) * kPanel + 16);
+  }
+  static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
+                           __m512& hi1) {
+    levels(bl, j, lo0, lo1, hi0, hi1);
+    lo0 = _mm512_mul_ps(lo0, bl.d0);
+    lo1 = _mm512_mul_ps(lo1, bl.d1);
+    hi0 = _mm512_mul_ps(hi0, bl.d0);
+    hi1 = _mm512_mul_ps(hi1, bl.d1);
+  }
+  static inline void add_block(const Block& bl, __m512 qx0, __m512 qx1, float /*x_sum*/,
+                               __m512& acc0, __m512& acc1) {
+    acc0 = _mm512_fmadd_ps(bl.d0, qx0, acc0);
+    acc1 = _mm512_fmadd_ps(bl.d1, qx1, acc1);
+  }
+#endif
+};
+
+}  // namespace quant
