@@ -64,6 +64,11 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    import gc
+
+    # No collections while the imports and the load build the heap (each full one walks
+    # all of it): `freeze_startup_heap` freezes that heap and turns collection back on.
+    gc.disable()
     from app.server import run_server
 
     return run_server(engine_config_from_args(a), ServerSettings.from_kwargs(**vars(a)))

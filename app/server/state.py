@@ -25,6 +25,7 @@ class State:
     draining: bool = False
     load_error: BaseException | None = None
     on_load_failure: Callable[[], None] | None = None
+    on_ready: Callable[[], None] | None = None  # once the engine is up, before serving
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or the 5xx that says why there is none to serve this request."""
