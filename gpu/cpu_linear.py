@@ -117,6 +117,8 @@ class PackedLinear(nn.Module):
         self.plain = weight if fp32 and self.quantized is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.quantized_max_rows:  # a decode step's call
+            return self._quantized_op(x, *self._quantized_args)
         rows = x.numel() // x.shape[-1]
         if rows <= self.quantized_max_rows:
             out = self._quantized_op(x.reshape(rows, self.in_features), *self._quantized_args)
