@@ -240,14 +240,15 @@ def freeze_startup_heap() -> None:
     """Take everything alive after the model load out of the garbage collector's walks.
 
     A full (oldest-generation) collection visits every tracked object, and after the
-    load there are ~230k (torch, transformers, the tokenizer, the model's modules). On
+    load there are ~240k (torch, transformers, the tokenizer, the model's modules). On
     this 2-core host each one took up to ~150 ms holding the GIL, so the event loop and
     the model thread stopped together (docs/benchmarks.md, session 8). Frozen, they are
     never visited again (reference counting still frees them). vLLM and SGLang freeze
     their start-up heaps the same way. `ridgeline serve` only: it keeps one engine for the
     life of the process, where a frozen cycle could never be collected. `cmd_serve`
-    turned collection off for the imports and the load (five full collections, ~0.4 s of
-    start-up here); one collection now clears what they left, and collection resumes.
+    turned collection off for the imports and the load (four or five full collections,
+    0.3-0.4 s of start-up here); one collection now clears what they left, and collection
+    resumes.
     """
     started = time.perf_counter()
     gc.collect()
