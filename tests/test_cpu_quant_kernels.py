@@ -117,14 +117,16 @@ def test_matmul_matches_fp32(m, k) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [5, 20, 30])  # direct: one tile, two; buffered
+@pytest.mark.parametrize("m", [3, 5, 20, 30])  # scales per block; direct: one tile, two; buffered
 def test_x_with_a_row_stride(m) -> None:
     """x may be a view into a wider buffer (e.g. one part of a fused projection)."""
     wide = torch.randn(m, 2 * 64)
     x = wide[:, 32:96]
     assert not x.is_contiguous()
-    q4 = random_q4_1(9, 64)
+    q4, q8 = random_q4_1(9, 64), random_q8_0(9, 64)
     torch.testing.assert_close(q4_1(x, *q4), x @ dequant_q4_1(*q4).T,
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(q8_0(x, *q8), x @ dequant_q8_0(*q8).T,
                                rtol=1e-5, atol=1e-4)
 
 
