@@ -65,6 +65,16 @@ inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
   m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
 }
 
+// T rows of a panel's 32 outputs (row stride os), the lanes past `cols` left alone.
+template <int T>
+inline void store_rows(const __m512 (&acc)[T][2], float* out, int64_t os, __mmask16 m0,
+                       __mmask16 m1) {
+  for (int t = 0; t < T; ++t) {
+    _mm512_mask_storeu_ps(out + t * os, m0, acc[t][0]);
+    _mm512_mask_storeu_ps(out + t * os + 16, m1, acc[t][1]);
+  }
+}
+
 // T x rows (row stride xs) against panel p, widened block by block in registers.
 template <int T, typename W>
 inline void tile_direct(const W& w, int64_t p, const float* x, int64_t xs, float* out,
@@ -88,10 +98,7 @@ inline void tile_direct(const W& w, int64_t p, const float* x, int64_t xs, float
   }
   __mmask16 m0, m1;
   column_masks(cols, m0, m1);
-  for (int t = 0; t < T; ++t) {
-    _mm512_mask_storeu_ps(out + t * os, m0, acc[t][0]);
-    _mm512_mask_storeu_ps(out + t * os + 16, m1, acc[t][1]);
-  }
+  store_rows<T>(acc, out, os, m0, m1);
 }
 
 // T x rows against panel p with the scales applied once per block: the levels q are
@@ -122,10 +129,7 @@ inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
   }
   __mmask16 m0, m1;
   column_masks(cols, m0, m1);
-  for (int t = 0; t < T; ++t) {
-    _mm512_mask_storeu_ps(out + t * os, m0, acc[t][0]);
-    _mm512_mask_storeu_ps(out + t * os + 16, m1, acc[t][1]);
-  }
+  store_rows<T>(acc, out, os, m0, m1);
 }
 
 // R x rows (row stride xs, from the chunk's first k) against kc widened k of a panel
@@ -149,10 +153,7 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
       acc[t][1] = _mm512_fmadd_ps(w1, xv, acc[t][1]);
     }
   }
-  for (int t = 0; t < R; ++t) {
-    _mm512_mask_storeu_ps(out + t * os, m0, acc[t][0]);
-    _mm512_mask_storeu_ps(out + t * os + 16, m1, acc[t][1]);
-  }
+  store_rows<R>(acc, out, os, m0, m1);
 }
 
 // Dispatch on a row count (1..kTile) so each micro-kernel's loops have constant bounds
