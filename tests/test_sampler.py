@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
+import gpu.sampler
 from gpu.batch import SamplingRow
-from gpu.sampler import Sampler, keep_top
+from gpu.sampler import UNIFORM_BITS, Sampler, inverse_transform, keep_top
 
 V = 8
 
@@ -168,3 +169,46 @@ def test_a_greedy_batch_is_one_argmax_and_one_wait(monkeypatch):
     s.staging.stage = None  # nothing to stage: calling it would fail
     tokens, _ = s(torch.eye(3, 5), [SamplingRow(temperature=0.0)] * 3)
     assert tokens == [0, 1, 2] and waits == [1]
+
+
+# --- the draw, and top-p without a full sort -------------------------------------------
+
+
+def test_the_draw_follows_the_distribution_and_never_picks_a_zero():
+    """Inverse transform sampling: each token's share of many draws is its probability
+    (within 4 standard deviations), and tokens of probability zero (masked by top-k, top-p,
+    min-p) are never drawn, even at the extreme uniforms 0 and just below 1."""
+    probs = torch.tensor([0.0, *PROBS, 0.0])  # zeros at both ends, unnormalised below
+    n = 40_000
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**UNIFORM_BITS, (n,), generator=gen)
+    drawn = inverse_transform(3.0 * probs.expand(n, -1), bits)
+    counts = torch.bincount(drawn, minlength=len(probs)).tolist()
+    assert counts[0] == counts[-1] == 0
+    for p, c in zip(PROBS, counts[1:-1]):
+        assert abs(c - n * p) < 4 * math.sqrt(n * p * (1 - p)) + 1, (p, c)
+    edges = torch.tensor([0, 2**UNIFORM_BITS - 1])
+    assert inverse_transform(probs.expand(2, -1), edges).tolist() == [1, len(PROBS)]
+
+
+def test_top_p_from_the_top_candidates_keeps_what_a_full_sort_keeps(monkeypatch):
+    """On CPU, top-p alone first ranks the top 256 (then 4096) tokens and sorts only
+    the rows they cannot settle. Peaked rows settle at the first stage, flatter ones at
+    the second, a flat one only by the sort: the kept sets must equal one full sort's."""
+    torch.manual_seed(2)
+    vocab = 6000
+    scale = torch.tensor([8.0, 6.0, 4.0, 2.0, 1.0, 0.05])[:, None]  # peaked ... flat
+    probs = torch.softmax(torch.randn(6, vocab) * scale, dim=-1)
+    p = torch.tensor([0.9, 0.95, 0.5, 0.9, 0.8, 0.9])
+    stages = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk",
+                        lambda t, k, **kw: stages.append((k, t.shape[0])) or real_topk(t, k, **kw))
+    staged = keep_top(probs, None, p, vocab)
+    monkeypatch.setattr(gpu.sampler, "TOP_P_CANDIDATES", ())
+    sorted_ = keep_top(probs, None, p, vocab)
+    assert torch.equal(staged, sorted_)
+    assert stages == [(256, 6), (4096, 3)]  # then the flat row alone is sorted
+    assert sorted_.sum(-1).tolist()[-1] > 4096
+    exclusive = (probs * sorted_).sum(-1) - probs.masked_fill(~sorted_, 1.0).amin(-1)
+    assert (exclusive <= p).all()  # the least likely kept token came in below p
