@@ -25,7 +25,8 @@ class SamplingRow:
     request samples the same tokens alone or in any batch, and again after
     preemption and recompute.
 
-    `output_token_ids` is the request's own output list, shared, not copied: the
+    `output_token_ids` is the request's own output list, shared, not copied (and so is
+    `prompt_token_ids`, read once when the row first needs its penalty counts): the
     sampler folds only the tokens added since the last step into its running
     counts (`penalty_state`, owned by the model thread), so penalties cost O(1)
     per token instead of rescanning the history.
@@ -40,11 +41,13 @@ class SamplingRow:
     # Token ids that must not be sampled this step (EOS and stop ids until
     # min_tokens is reached).
     banned_token_ids: tuple[int, ...] = ()
-    # Repetition control over the tokens generated so far (OpenAI semantics).
+    # Repetition control: presence and frequency over the tokens generated so far
+    # (OpenAI semantics); the repetition penalty over the prompt's tokens too (HF, vLLM).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     output_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and top-k
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # With a grammar: this step's bitmask of allowed tokens (a CPU int32 tensor,
@@ -58,8 +61,12 @@ class SamplingRow:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+        """Whether a penalty changes this step's logits: one is set, and some token it
+        counts is there already."""
+        if self.repetition_penalty != 1.0 and self.prompt_token_ids:
+            return True
+        return bool((self.presence_penalty or self.frequency_penalty
+                     or self.repetition_penalty != 1.0) and self.output_token_ids)
 
 
 @dataclass(frozen=True)

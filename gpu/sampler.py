@@ -161,7 +161,7 @@ class Sampler:
         """logits [B, V] float32 → one token id per row (and logprobs where asked)."""
         n, vocab = logits.shape
         lp = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        pen = [i for i, r in enumerate(rows) if r.penalized and r.output_token_ids]
+        pen = [i for i, r in enumerate(rows) if r.penalized]
         sampled = [i for i, r in enumerate(rows) if not r.greedy]
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         shaped = [i for i, r in enumerate(rows) if r.allowed is not None or r.logit_bias]
@@ -182,7 +182,8 @@ class Sampler:
         if shaped:
             shape_logits(logits, [(i, rows[i]) for i in shaped])
         if pen:
-            self.penalties.fold(dev["fold_slots"], dev["fold_tokens"], progress)
+            self.penalties.fold(dev["fold_slots"], dev["fold_tokens"], dev["mark_slots"],
+                                dev["mark_tokens"], progress)
             logits[dev["pen"]] = self.penalties.penalize(
                 logits[dev["pen"]], dev["slots"], dev["repetition"], dev["presence"],
                 dev["frequency"])
@@ -206,14 +207,14 @@ class Sampler:
                           bans: list[tuple[int, int]], sampled: list[int], vocab: int):
         """Every per-row value the device needs, sent in one copy: (device tensors by name,
         the host lists by name, the penalty progress to record once folded)."""
-        slots, fold_slots, fold_tokens, progress = self.penalties.prepare(
-            [rows[i] for i in pen], vocab)
+        folds = self.penalties.prepare([rows[i] for i in pen], vocab)
         s_rows = [rows[i] for i in sampled]
         top_k_rows = [j for j, r in enumerate(s_rows) if r.top_k > 0]
         top_p_rows = [j for j, r in enumerate(s_rows) if r.top_k <= 0 and r.top_p < 1]
         fields = {
-            "lp": lp, "pen": pen, "slots": slots, "fold_slots": fold_slots,
-            "fold_tokens": fold_tokens, "ban_rows": [i for i, _ in bans],
+            "lp": lp, "pen": pen, "slots": folds.slots, "fold_slots": folds.fold_slots,
+            "fold_tokens": folds.fold_tokens, "mark_slots": folds.mark_slots,
+            "mark_tokens": folds.mark_tokens, "ban_rows": [i for i, _ in bans],
             "ban_tokens": [t for _, t in bans], "sampled": sampled,
             "top_k_rows": top_k_rows, "top_k": [s_rows[j].top_k for j in top_k_rows],
             "top_p_rows": top_p_rows,
@@ -230,7 +231,7 @@ class Sampler:
         }
         staged = self.staging.stage(*[(v, LONG) for v in fields.values()],
                                     *[(v, FLOAT) for v in floats.values()])
-        return dict(zip([*fields, *floats], staged)), fields, progress
+        return dict(zip([*fields, *floats], staged)), fields, folds.progress
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict,
               fields: dict, vocab: int) -> torch.Tensor:

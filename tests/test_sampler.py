@@ -67,6 +67,34 @@ def test_penalties_change_the_greedy_choice():
     assert lg[0, 0] == 2.0  # the caller's logits are not modified
 
 
+def test_the_repetition_penalty_counts_the_prompt_as_hf_and_vllm_do():
+    """Repetition: over prompt and output (HF's processor, vLLM); presence and frequency:
+    over the output alone (OpenAI). Checked against transformers' own processor."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    s = Sampler(torch.device("cpu"))
+    lg = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0, 1.8]])
+    assert s(lg, [SamplingRow(temperature=0.0, prompt_token_ids=(4,))])[0] == [4]
+    row = SamplingRow(temperature=0.0, repetition_penalty=1.2, prompt_token_ids=(4,))
+    assert s(lg, [row])[0] == [7]  # 2.0 / 1.2 < 1.8: the prompt's token 4 is penalized
+
+    torch.manual_seed(3)
+    logits = torch.randn(1, 50) * 3
+    prompt, output = [1, 4, 4, 9, 30], [9, 17, 17]
+    row = SamplingRow(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1,
+                      prompt_token_ids=prompt, output_token_ids=output)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]),
+                                                     logits.clone())
+    expected[0, 9] -= 0.2 + 0.1
+    expected[0, 17] -= 0.2 + 2 * 0.1
+    s = Sampler(torch.device("cpu"))  # a sampler serves one vocabulary
+    folds = s.penalties.prepare([row], 50)
+    s.penalties.fold(*(torch.tensor(f) for f in folds[1:5]), folds.progress)
+    got = s.penalties.penalize(logits, torch.tensor(folds.slots), torch.tensor([1.3]),
+                               torch.tensor([0.2]), torch.tensor([0.1]))
+    torch.testing.assert_close(got, expected)
+
+
 def test_logprobs_are_the_raw_distribution():
     s = Sampler(torch.device("cpu"))
     lg = logits_from_probs(PROBS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app import LLM, SamplingParams
 from models.tokenizer import apply_chat_template
@@ -66,6 +67,23 @@ def test_greedy_parity_with_preemption_and_chunked_prefill(chat_prompts, hf_expe
         small.engine.check_invariants()
     finally:
         small.shutdown()
+
+
+def test_repetition_penalty_counts_the_prompt_as_transformers_does(llm, hf_gguf_model,
+                                                                   hf_tokenizer):
+    """Parity with HF's generate. The first token has no output behind it, so only the
+    prompt's tokens can penalize it: it must differ from the unpenalized greedy one."""
+    prompts = [hf_tokenizer.encode(t) for t in (
+        "red, green, blue, red, green, blue, red, green,", "1 2 3 4 5 1 2 3 4 5 1 2 3")]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0,
+                            repetition_penalty=1.3)  # min_tokens: HF's min_new_tokens
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        with torch.inference_mode():
+            ref = hf_gguf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                         repetition_penalty=1.3, max_new_tokens=8,
+                                         min_new_tokens=8)[0, len(prompt):].tolist()
+        assert out.token_ids == ref
+        assert out.token_ids[0] != hf_greedy(hf_gguf_model, prompt, 1)[0]
 
 
 def test_capital_of_france(llm):

@@ -65,6 +65,7 @@ def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
         seed=p.seed,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, output_token_ids=req.output_token_ids,
+        prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
         logprobs=p.logprobs, banned_token_ids=tuple(sorted(banned)),
         logit_bias=tuple((p.logit_bias or {}).items()),
     )
