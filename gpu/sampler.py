@@ -148,8 +148,11 @@ def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> N
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, kernels=None):
+        """`kernels`: the C++ CPU kernels (`torch.ops.ridgeline_cpu`) when built; their
+        `sample_rows` then draws the sampled rows (the torch path is its reference)."""
         self.device = device
+        self.sample_rows = getattr(kernels, "sample_rows", None)
         # Unseeded rows draw from one stream owned by the model thread.
         self.rng = random.Random(seed)
         self.staging = Staging(device)
@@ -219,6 +222,7 @@ class Sampler:
             "top_k_rows": top_k_rows, "top_k": [s_rows[j].top_k for j in top_k_rows],
             "top_p_rows": top_p_rows,
             "uniform_bits": [uniform_bits(self.rng, r) for r in s_rows],
+            "row_top_k": [r.top_k for r in s_rows],
         }
         floats = {
             "repetition": [rows[i].repetition_penalty for i in pen],
@@ -228,6 +232,7 @@ class Sampler:
             "min_p": [r.min_p for r in s_rows],
             "top_k_p": [s_rows[j].top_p for j in top_k_rows],
             "top_p": [s_rows[j].top_p for j in top_p_rows],
+            "row_top_p": [r.top_p for r in s_rows],
         }
         staged = self.staging.stage(*[(v, LONG) for v in fields.values()],
                                     *[(v, FLOAT) for v in floats.values()])
@@ -235,6 +240,9 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict,
               fields: dict, vocab: int) -> torch.Tensor:
+        if self.sample_rows is not None and logits.dtype == FLOAT and logits.stride(-1) == 1:
+            return self.sample_rows(logits, dev["temperature"], dev["row_top_k"],
+                                    dev["row_top_p"], dev["min_p"], dev["uniform_bits"])
         probs = torch.softmax(logits / dev["temperature"][:, None], dim=-1)
         for name, k in (("top_k_rows", dev["top_k"]), ("top_p_rows", None)):
             chosen = fields[name]

@@ -1,0 +1,75 @@
+"""The C++ sampling kernel (`sample_rows`) against the sampler's torch path.
+
+Both samplers get the same rows (seeded, so both draw the same uniforms) and must pick
+the same tokens: temperature, top-k, top-p, min-p and their mixes in one batch, banned
+tokens, vocabularies that are not a multiple of 16, rows flat enough that top-p needs
+thousands of candidates. Then what the torch path leaves open: ties at a cut (the
+kernel keeps the lowest ids), the extreme uniforms, and the draw's frequencies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu.batch import SamplingRow
+from gpu.kernels.cpu.build import cpu_kernels
+from gpu.sampler import UNIFORM_BITS, Sampler
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+CPU = torch.device("cpu")
+
+CONFIGS = [dict(), dict(temperature=0.7), dict(top_p=0.9), dict(temperature=1.3, top_p=0.95),
+           dict(top_k=50), dict(top_k=20, top_p=0.8, temperature=0.7), dict(min_p=0.05),
+           dict(top_k=40, top_p=0.9, min_p=0.1), dict(top_k=5000), dict(top_p=0.3, min_p=0.2)]
+
+
+def both(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
+    return Sampler(CPU)(logits, rows)[0], Sampler(CPU, kernels=KERNELS)(logits, rows)[0]
+
+
+@pytest.mark.parametrize("vocab", [1007, 6000])
+def test_the_kernel_draws_what_the_torch_path_draws(vocab):
+    torch.manual_seed(0)
+    # Peaked to flat rows; each config on every kind of row, all in one batch.
+    scale = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.3]).repeat(len(CONFIGS))[:, None]
+    logits = torch.randn(len(scale), vocab) * scale
+    logits[::3, :40] = float("-inf")  # banned (or grammar-masked) tokens
+    for trial in range(6):
+        rows = [SamplingRow(seed=100 * trial + i, **CONFIGS[i // 5])
+                for i in range(len(scale))]
+        reference, kernel = both(logits, rows)
+        assert kernel == reference, trial
+        assert all(t >= 40 for t in kernel[::3])
+
+
+def test_ties_at_a_cut_keep_the_lowest_ids():
+    logits = torch.zeros(1, 100)
+    sampler = Sampler(CPU, kernels=KERNELS)
+    drawn = {sampler(logits, [SamplingRow(top_k=3)])[0][0] for _ in range(200)}
+    assert drawn == {0, 1, 2}
+    drawn = {sampler(logits, [SamplingRow(top_p=0.05)])[0][0] for _ in range(200)}
+    assert drawn == {0, 1, 2, 3, 4, 5}  # the weight before each of 0..5 is at most 5 %
+
+
+def test_the_draw_follows_the_distribution_at_the_extremes_too():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
+    logits = torch.cat([torch.tensor([float("-inf")]), probs.log(), torch.tensor([-1e9])])
+    n = 20_000
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**UNIFORM_BITS, (n,), generator=gen)
+    ones = torch.ones(n)
+    drawn = KERNELS.sample_rows(logits.expand(n, -1).contiguous(), ones,
+                                torch.zeros(n, dtype=torch.long), ones, torch.zeros(n), bits)
+    counts = torch.bincount(drawn, minlength=len(logits)).tolist()
+    assert counts[0] == counts[-1] == 0  # banned, and too unlikely to weigh anything
+    for p, c in zip(probs.tolist(), counts[1:-1]):
+        assert abs(c - n * p) < 4 * math.sqrt(n * p * (1 - p)) + 1, (p, c)
+    edges = torch.tensor([0, 2**UNIFORM_BITS - 1])
+    two = torch.ones(2)
+    assert KERNELS.sample_rows(logits.expand(2, -1).contiguous(), two,
+                               torch.zeros(2, dtype=torch.long), two, torch.zeros(2),
+                               edges).tolist() == [1, len(probs)]
