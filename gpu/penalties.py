@@ -47,8 +47,11 @@ class Folds(NamedTuple):
 
 
 class PenaltyCounts:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, kernels=None):
+        """`kernels`: the C++ CPU kernels when built; their `apply_penalties_` then
+        penalizes the rows in one pass each (`penalize` is its reference)."""
         self.device = device
+        self.kernel = getattr(kernels, "apply_penalties_", None)
         self.counts: torch.Tensor | None = None  # [capacity, vocab] float32, made on first use
         self.in_prompt: torch.Tensor | None = None  # [capacity, vocab] bool, beside it
         self._free: list[int] = []
@@ -105,6 +108,16 @@ class PenaltyCounts:
             self.in_prompt[mark_slots, mark_tokens] = True
         for state, counted in progress:
             state.counted = counted
+
+    def apply_(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+               repetition: torch.Tensor, presence: torch.Tensor,
+               frequency: torch.Tensor) -> None:
+        """Penalize `logits[rows]` in place; `slots` and the penalties line up with `rows`."""
+        if self.kernel is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            self.kernel(logits, rows, self.counts, self.in_prompt, slots, repetition,
+                        presence, frequency)
+        else:
+            logits[rows] = self.penalize(logits[rows], slots, repetition, presence, frequency)
 
     def penalize(self, logits: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor,
                  presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:

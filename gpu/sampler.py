@@ -150,13 +150,14 @@ def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> N
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, kernels=None):
         """`kernels`: the C++ CPU kernels (`torch.ops.ridgeline_cpu`) when built; their
-        `sample_rows` then draws the sampled rows (the torch path is its reference)."""
+        `sample_rows` then draws the sampled rows, and `apply_penalties_` penalizes
+        (the torch paths are their references)."""
         self.device = device
         self.sample_rows = getattr(kernels, "sample_rows", None)
         # Unseeded rows draw from one stream owned by the model thread.
         self.rng = random.Random(seed)
         self.staging = Staging(device)
-        self.penalties = PenaltyCounts(device)
+        self.penalties = PenaltyCounts(device, kernels)
         self._neg_inf = torch.tensor(float("-inf"), device=device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -187,9 +188,8 @@ class Sampler:
         if pen:
             self.penalties.fold(dev["fold_slots"], dev["fold_tokens"], dev["mark_slots"],
                                 dev["mark_tokens"], progress)
-            logits[dev["pen"]] = self.penalties.penalize(
-                logits[dev["pen"]], dev["slots"], dev["repetition"], dev["presence"],
-                dev["frequency"])
+            self.penalties.apply_(logits, dev["pen"], dev["slots"], dev["repetition"],
+                                  dev["presence"], dev["frequency"])
         if bans:
             logits.index_put_((dev["ban_rows"], dev["ban_tokens"]), self._neg_inf)
         # 3. Greedy rows take the argmax; sampled rows draw.

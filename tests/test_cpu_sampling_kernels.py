@@ -1,4 +1,5 @@
-"""The C++ sampling kernel (`sample_rows`) against the sampler's torch path.
+"""The C++ sampling kernels against the sampler's torch paths: `sample_rows`, and
+`apply_penalties_` (bit for bit) at the end.
 
 Both samplers get the same rows (seeded, so both draw the same uniforms) and must pick
 the same tokens: temperature, top-k, top-p, min-p and their mixes in one batch, banned
@@ -16,6 +17,7 @@ import torch
 
 from gpu.batch import SamplingRow
 from gpu.kernels.cpu.build import cpu_kernels
+from gpu.penalties import PenaltyCounts
 from gpu.sampler import UNIFORM_BITS, Sampler
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
@@ -73,3 +75,22 @@ def test_the_draw_follows_the_distribution_at_the_extremes_too():
     assert KERNELS.sample_rows(logits.expand(2, -1).contiguous(), two,
                                torch.zeros(2, dtype=torch.long), two, torch.zeros(2),
                                edges).tolist() == [1, len(probs)]
+
+
+def test_the_penalty_kernel_matches_the_torch_penalties_bit_for_bit():
+    torch.manual_seed(1)
+    vocab = 1003
+    counts = PenaltyCounts(CPU)
+    counts.counts = torch.randint(0, 4, (8, vocab)).float() * (torch.rand(8, vocab) < 0.05)
+    counts.in_prompt = torch.rand(8, vocab) < 0.05
+    logits = torch.randn(6, vocab) * 3
+    logits[0, :5] = float("-inf")
+    rows, slots = torch.tensor([0, 2, 3, 5]), torch.tensor([1, 4, 4, 7])
+    rep, pres, freq = torch.rand(4) + 0.8, torch.rand(4) - 0.5, torch.rand(4) - 0.5
+    raw, expected = logits.clone(), logits.clone()
+    expected[rows] = counts.penalize(expected[rows], slots, rep, pres, freq)
+    KERNELS.apply_penalties_(logits, rows, counts.counts, counts.in_prompt, slots, rep, pres,
+                             freq)
+    assert torch.equal(logits, expected)
+    assert (logits[rows] != raw[rows]).sum() > 50  # penalized...
+    assert torch.equal(logits[[1, 4]], raw[[1, 4]])  # ... only the rows asked for
