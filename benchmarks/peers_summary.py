@@ -14,6 +14,7 @@ SHAPES = {
     "poisson2": "64 × (128 in, 128 out), Poisson 2/s",
     "conc1": "8 × (128 in, 128 out), one at a time",
     "chat": "64 × (768 shared + 64 in, 64 out), 16 at a time",
+    "sampled32": "64 × (128 in, 128 out), 32 at a time, temperature 1, top-p 0.9",
 }
 FIGURES = [  # (key in vLLM's result format, title, unit)
     ("duration", "wall", "s"),

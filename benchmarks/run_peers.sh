@@ -17,6 +17,9 @@
 #      conc1     8 prompts, 128 in / 128 out, one at a time
 #      chat     64 prompts, one 768-token prefix shared by all, 64-token questions,
 #               64 out, 16 at a time
+#      sampled32  conc32 sampled at temperature 1, top-p 0.9, as most chat clients and
+#               models' generation configs ask (the others are greedy); not in the
+#               default set: SHAPES="conc32 sampled32"
 #    Each (shape, client) has its own seed, the same for both servers, so both servers see
 #    the same prompts and no shape finds another shape's prompts in a prefix cache.
 # Override with environment variables: DTYPE, SHAPES, CLIENTS, SERVERS, OFFLINE, OUT, MODEL_DIR, VLLM_VENV,
@@ -137,7 +140,15 @@ shape_flags() {
     poisson2) echo "--num-prompts 64 --random-input-len 128 --random-output-len 128 --request-rate 2" ;;
     conc1) echo "--num-prompts 8 --random-input-len 128 --random-output-len 128 --max-concurrency 1" ;;
     chat) echo "--num-prompts 64 --random-prefix-len 768 --random-input-len 64 --random-output-len 64 --max-concurrency 16" ;;
+    sampled32) echo "--num-prompts 64 --random-input-len 128 --random-output-len 128 --max-concurrency 32" ;;
     *) log "unknown shape $1"; return 1 ;;
+  esac
+}
+
+sampling_flags() {
+  case $1 in
+    sampled32) echo "--temperature 1.0 --top-p 0.9" ;;
+    *) echo "--temperature 0" ;;
   esac
 }
 
@@ -154,7 +165,8 @@ bench_one() {
   # shellcheck disable=SC2046  # the shape's flags are words on purpose
   "${cmd[@]}" --backend vllm --base-url "$url" --model "$MODEL_DIR" \
     --served-model-name "$SERVED_NAME" --tokenizer "$MODEL_DIR" \
-    --dataset-name random $(shape_flags "$shape") --ignore-eos --temperature 0 --seed "$seed" \
+    --dataset-name random $(shape_flags "$shape") $(sampling_flags "$shape") --ignore-eos \
+    --seed "$seed" \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
     --save-result --result-dir "$OUT" --result-filename "${name}_${shape}_by_${client}.json" \
     > "$OUT/${name}_${shape}_by_${client}.log" 2>&1 \
