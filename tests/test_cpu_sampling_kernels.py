@@ -48,6 +48,24 @@ def test_the_kernel_draws_what_the_torch_path_draws(vocab):
         assert all(t >= 40 for t in kernel[::3])
 
 
+def test_top_k_keeps_the_k_heaviest_for_every_k():
+    """Whatever k, and however the weights fall around the kernel's collection floors
+    (1/64, then 16x lower): here exactly 5 weigh >= 1/64 (a cut there once dropped
+    top-k), the rest fall from 0.012 to 1e-6. Token ids are in weight order."""
+    logits = torch.cat([torch.zeros(5), torch.linspace(math.log(0.012), math.log(1e-6),
+                                                       995)])[None]
+    n = 2000
+    bits = torch.randint(0, 2**UNIFORM_BITS, (n,), generator=torch.Generator().manual_seed(1))
+    ones = torch.ones(n)
+    for k in (1, 4, 5, 6, 60, 61, 300):
+        drawn = KERNELS.sample_rows(logits.expand(n, -1).contiguous(), ones,
+                                    torch.full((n,), k, dtype=torch.long), ones,
+                                    torch.zeros(n), bits)
+        got = set(drawn.tolist())
+        assert got <= set(range(k)), k
+        assert k > 6 or got == set(range(k)), k
+
+
 def test_ties_at_a_cut_keep_the_lowest_ids():
     logits = torch.zeros(1, 100)
     sampler = Sampler(CPU, kernels=KERNELS)

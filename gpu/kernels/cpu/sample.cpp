@@ -4,8 +4,10 @@
 // Why: in torch a sampled row costs a softmax, a float64 cumulative sum and, for top-k
 // or top-p, a `topk` or a full sort of the vocabulary (~2.3 ms a row at 49k entries);
 // at 16 rows of real SmolLM2 logits that was 3-11 ms of a ~40 ms decode step. Here a
-// row is one max, one exp pass (the weights kept in a scratch row), and for a cut a
-// pass that collects the few candidates above a floor and sorts only those.
+// row is one max, one exp pass (the weights kept in a scratch row) and one sum; top-k
+// collects the tokens above a floor (lowered until there are k) and selects among
+// those; top-p bisects the weights' values over a shrinking set of open tokens. None
+// sorts more than a few dozen tokens.
 //
 // Semantics are gpu/sampler.py's torch path (the reference; tests compare the two):
 // weights w = exp((logit - max) / T), so the most likely token weighs 1 and a banned
@@ -25,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -95,42 +98,43 @@ double sum_weights(const float* w, int64_t V, std::vector<double>* sums) {
   return all;
 }
 
-// Every token of weight >= floor (all positive ones once the floor is tiny), in id
-// order, lowering the floor until `enough` says the cut lies among them. `vals`, `ids`:
-// scratch rows of V entries.
-template <typename Enough>
-std::vector<Candidate> candidates(const float* w, int64_t V, float* vals, int32_t* ids,
-                                  Enough enough) {
-  std::vector<Candidate> out;
-  for (float floor = 1.0f / 64;; floor /= 256) {
-    const bool last = floor < 1e-30f;
-    const float least = last ? std::numeric_limits<float>::denorm_min() : floor;
-    int64_t n = 0, v = 0;
+// Every token of weight >= least into (vals, ids), in id order; returns how many.
+int64_t collect(const float* w, int64_t V, float least, float* vals, int32_t* ids) {
+  int64_t n = 0, v = 0;
 #ifdef __AVX512F__
-    const __m512 lv = _mm512_set1_ps(least);
-    const __m512i step = _mm512_set1_epi32(16);
-    __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-      const __m512 x = _mm512_loadu_ps(w + v);
-      const __mmask16 in = _mm512_cmp_ps_mask(x, lv, _CMP_GE_OQ);
-      _mm512_mask_compressstoreu_ps(vals + n, in, x);
-      _mm512_mask_compressstoreu_epi32(ids + n, in, iv);
-      n += __builtin_popcount(in);
-    }
-#endif
-    for (; v < V; ++v) {
-      if (w[v] >= least) vals[n] = w[v], ids[n++] = static_cast<int32_t>(v);
-    }
-    out.resize(n);
-    for (int64_t j = 0; j < n; ++j) out[j] = {vals[j], ids[j]};
-    if (last || enough(out)) break;
+  const __m512 lv = _mm512_set1_ps(least);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
+    const __m512 x = _mm512_loadu_ps(w + v);
+    const __mmask16 in = _mm512_cmp_ps_mask(x, lv, _CMP_GE_OQ);
+    _mm512_mask_compressstoreu_ps(vals + n, in, x);
+    _mm512_mask_compressstoreu_epi32(ids + n, in, iv);
+    n += __builtin_popcount(in);
   }
-  return out;
+#endif
+  for (; v < V; ++v) {
+    if (w[v] >= least) vals[n] = w[v], ids[n++] = static_cast<int32_t>(v);
+  }
+  return n;
 }
 
-// The cut that keeps the n heaviest of `c` (n >= 1), c[n - 1] being the n-th heaviest:
-// all heavier than it, and as many of its equals as the n hold.
-Cut cut_after(const std::vector<Candidate>& c, size_t n) {
+// The weights >= a floor, lowered from 1/64 by 16x until `enough(n)` (or every positive
+// weight is in); returns (how many, the floor used, 0 for every positive weight).
+template <typename Enough>
+std::pair<int64_t, float> collect_down(const float* w, int64_t V, float* vals, int32_t* ids,
+                                       Enough enough) {
+  for (float floor = 1.0f / 64;; floor /= 16) {
+    const bool last = floor < 1e-30f;
+    const int64_t n = collect(w, V, last ? std::numeric_limits<float>::denorm_min() : floor,
+                              vals, ids);
+    if (last || enough(n)) return {n, last ? 0.f : floor};
+  }
+}
+
+// The cut that keeps the n heaviest of `c` (1 <= n <= c.size()), given their weights
+// are all >= c[n - 1]'s: as many of its equals as the n hold.
+Cut cut_at(const std::vector<Candidate>& c, size_t n) {
   const float tau = c[n - 1].first;
   int64_t above = 0, equal = 0;
   for (const auto& x : c) {
@@ -141,63 +145,94 @@ Cut cut_after(const std::vector<Candidate>& c, size_t n) {
   return {tau, ties >= equal ? kAllTies : ties};
 }
 
-double mass(const std::vector<Candidate>& c, size_t begin, size_t end) {
-  double s = 0.0;
-  for (size_t j = begin; j < end; ++j) s += c[j].first;
-  return s;
+// Top-k: the cut that keeps the k heaviest.
+Cut top_k_cut(const float* w, int64_t V, int64_t k, float* vals, int32_t* ids) {
+  const auto [n, floor] = collect_down(w, V, vals, ids, [&](int64_t n) { return n >= k; });
+  if (n < k || (n == k && floor == 0.f)) return {};  // k or fewer weigh anything: no cut
+  std::vector<Candidate> c(n);
+  for (int64_t j = 0; j < n; ++j) c[j] = {vals[j], ids[j]};
+  std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), heavier);
+  return cut_at(c, k);
 }
 
-// How many of the first n of `c` top-p keeps: the heaviest, while the weight before
-// each is at most `limit`; the sum of all n must pass it. Rather than sort the n, halve
-// the range that holds the boundary (nth_element, expected linear time), and sort what
-// is left; c[kept - 1] is then the kept-th heaviest.
-size_t nucleus(std::vector<Candidate>& c, size_t n, double limit) {
-  size_t lo = 0, hi = n;  // the boundary is in [lo, hi); before = weight of c[0, lo)
-  double before = 0.0;
-  while (hi - lo > 64) {
-    const size_t mid = lo + (hi - lo) / 2;
-    std::nth_element(c.begin() + lo, c.begin() + mid, c.begin() + hi, heavier);
-    const double upto = before + mass(c, lo, mid);
-    if (upto > limit) {
+// A non-negative float's bits, read as an integer, order like the float.
+inline int32_t key(float w) {
+  int32_t k;
+  std::memcpy(&k, &w, sizeof k);
+  return k;
+}
+
+// Weight of the first n of `vals` whose key is above t.
+double mass_above(const float* vals, int64_t n, int32_t t) {
+  double all = 0.0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t end = std::min(n, b + kBlock);
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = b; j < end; ++j) s += key(vals[j]) > t ? vals[j] : 0.f;
+    all += s;
+  }
+  return all;
+}
+
+// Keep, in place, those of the first n of (vals, ids) whose key is above t (`above`)
+// or at most t (not `above`); returns how many.
+int64_t keep_side(float* vals, int32_t* ids, int64_t n, int32_t t, bool above) {
+  int64_t kept = 0, j = 0;
+#ifdef __AVX512F__
+  const __m512i tv = _mm512_set1_epi32(t);
+  for (; j + 16 <= n; j += 16) {  // each store lands at or before what was just loaded
+    const __m512i k = _mm512_loadu_si512(vals + j);
+    const __m512i i = _mm512_loadu_si512(ids + j);
+    const __mmask16 gt = _mm512_cmpgt_epi32_mask(k, tv);
+    const __mmask16 in = above ? gt : static_cast<__mmask16>(~gt);
+    _mm512_mask_compressstoreu_epi32(vals + kept, in, k);
+    _mm512_mask_compressstoreu_epi32(ids + kept, in, i);
+    kept += __builtin_popcount(in);
+  }
+#endif
+  for (; j < n; ++j) {
+    if ((key(vals[j]) > t) == above) vals[kept] = vals[j], ids[kept++] = ids[j];
+  }
+  return kept;
+}
+
+// Top-p: keep the heaviest tokens while the weight before each is at most `limit`.
+// Rather than sort, bisect the weights' keys for the least key whose heavier tokens
+// weigh at most `limit`. Each halving keeps only the tokens whose fate is still open
+// (keys in (lo, hi]), so the passes shrink; the last few are sorted and walked.
+Cut top_p_cut(const float* w, int64_t V, double limit, float* vals, int32_t* ids) {
+  // Open at first: the weights above a floor under which more than `limit` lies above
+  // (the tokens under it are dropped).
+  const auto [first, floor] = collect_down(w, V, vals, ids, [&](int64_t n) {
+    return mass_above(vals, n, -1) > limit;
+  });
+  int64_t n = first;
+  int32_t lo = floor > 0.f ? key(floor) - 1 : 0, hi = key(1.0f);
+  double kept_mass = 0.0;  // of the tokens above hi: all kept
+  while (n > 32 && hi - lo > 1) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    const double upper = mass_above(vals, n, mid);
+    const bool fits = kept_mass + upper <= limit;  // then every token above mid is kept
+    if (fits) {
+      kept_mass += upper;
       hi = mid;
     } else {
-      before = upto;
       lo = mid;
     }
+    n = keep_side(vals, ids, n, mid, /*above=*/!fits);
   }
-  std::sort(c.begin() + lo, c.begin() + hi, heavier);
-  size_t j = lo;
-  while (j < hi && before <= limit) before += c[j++].first;
-  return std::max<size_t>(j, 1);
-}
-
-Cut choose_cut(const float* w, int64_t V, int64_t top_k, float top_p, float min_p,
-               float* vals, int32_t* ids) {
-  Cut cut;
-  const bool by_k = top_k > 0 && top_k < V, by_p = top_p < 1.0f;
-  if (by_k || by_p) {
-    const double all = by_k ? 0.0 : sum_weights(w, V, nullptr);  // top-p alone: of all
-    auto c = candidates(w, V, vals, ids, [&](const std::vector<Candidate>& c) {
-      // Enough when the cut falls inside: k of them, or (top-p alone) more than p of
-      // the mass, so that the first token left out is left out by top-p too.
-      if (by_k) return static_cast<int64_t>(c.size()) >= top_k;
-      return mass(c, 0, c.size()) > top_p * all;
-    });
-    if (c.empty()) return cut;
-    size_t n = c.size();  // top-k may keep every positive weight: then no cut of its own
-    if (by_k && static_cast<size_t>(top_k) < n) {  // the k heaviest first, unordered
-      n = top_k;
-      std::nth_element(c.begin(), c.begin() + (n - 1), c.end(), heavier);
-    } else if (!by_p) {
-      n = 0;
-    }
-    if (by_p) n = nucleus(c, n, top_p * (by_k ? mass(c, 0, n) : all));
-    if (n > 0) cut = cut_after(c, n);
+  std::vector<Candidate> open(n);
+  for (int64_t j = 0; j < n; ++j) open[j] = {vals[j], ids[j]};
+  std::sort(open.begin(), open.end(), heavier);
+  size_t kept = 0;
+  for (double before = kept_mass; kept < open.size() && before <= limit; ++kept) {
+    before += open[kept].first;
   }
-  if (min_p > 0.f && min_p >= cut.tau) {  // the heaviest weighs 1: min_p is the floor
-    cut = {min_p, min_p > cut.tau ? kAllTies : cut.ties};
-  }
-  return cut;
+  if (kept > 0) return cut_at(open, kept);
+  float above_hi;  // none open (only rounding could do it): keep what lies above hi
+  std::memcpy(&above_hi, &hi, sizeof above_hi);
+  return {above_hi, 0};
 }
 
 // Zero what the cut drops, in place.
@@ -210,6 +245,21 @@ void apply(float* w, int64_t V, const Cut& cut) {
   for (int64_t v = 0; v < V; ++v) {
     if (w[v] == cut.tau && kept++ >= cut.ties) w[v] = 0.f;
   }
+}
+
+// Top-k, then top-p over what top-k kept, then min-p: what they drop is zeroed.
+void cut_row(float* w, int64_t V, int64_t top_k, float top_p, float min_p, float* vals,
+             int32_t* ids) {
+  Cut cut;
+  if (top_k > 0 && top_k < V) cut = top_k_cut(w, V, top_k, vals, ids);
+  if (top_p < 1.0f) {
+    if (cut.tau > 0.f) apply(w, V, cut);
+    cut = top_p_cut(w, V, top_p * sum_weights(w, V, nullptr), vals, ids);
+  }
+  if (min_p > 0.f && min_p >= cut.tau) {  // the heaviest weighs 1: min_p is the floor
+    cut = {min_p, min_p > cut.tau ? kAllTies : cut.ties};
+  }
+  if (cut.tau > 0.f) apply(w, V, cut);
 }
 
 // The first token whose running sum of weights passes u * (their total).
@@ -261,8 +311,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   std::vector<double> sums;
   for (int64_t r = 0; r < R; ++r) {
     weigh(lg + r * logits.stride(0), V, temp[r], w.data());
-    const Cut cut = choose_cut(w.data(), V, tk[r], tp[r], mp[r], vals.data(), ids.data());
-    if (cut.tau > 0.f) apply(w.data(), V, cut);
+    cut_row(w.data(), V, tk[r], tp[r], mp[r], vals.data(), ids.data());
     o[r] = draw(w.data(), V, static_cast<uint64_t>(bt[r]), sums);
   }
   return out;
