@@ -132,14 +132,21 @@ def unpack_bits(words: torch.Tensor, width: int) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten(-2)[..., :width]
 
 
-def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> None:
+def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]],
+                 apply_bitmask=None) -> None:
     """In place: -inf where a row's grammar allows nothing (`row.allowed`), and OpenAI's
-    `logit_bias` added. Only rows that ask for either are listed."""
+    `logit_bias` added. Only rows that ask for either are listed. `apply_bitmask`: the
+    CPU kernel that masks straight from the bitmask (this unpacking is its reference)."""
     masked = [(i, r.allowed) for i, r in rows if r.allowed is not None]
     if masked:
         index = torch.tensor([i for i, _ in masked], device=logits.device)
-        allowed = unpack_bits(torch.stack([a for _, a in masked]), logits.shape[-1])
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        bitmask = torch.stack([a for _, a in masked])
+        if apply_bitmask is not None and logits.dtype == FLOAT and logits.stride(-1) == 1:
+            apply_bitmask(logits, index, bitmask)
+        else:
+            allowed = unpack_bits(bitmask, logits.shape[-1])
+            logits[index] = logits[index].masked_fill(~allowed.to(logits.device),
+                                                      float("-inf"))
     bias = [(i, t, b) for i, r in rows for t, b in r.logit_bias]
     if bias:
         at = torch.tensor([(i, t) for i, t, _ in bias], device=logits.device).T
@@ -150,10 +157,11 @@ def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]]) -> N
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, kernels=None):
         """`kernels`: the C++ CPU kernels (`torch.ops.ridgeline_cpu`) when built; their
-        `sample_rows` then draws the sampled rows, and `apply_penalties_` penalizes
-        (the torch paths are their references)."""
+        `sample_rows` then draws the sampled rows, `apply_penalties_` penalizes and
+        `apply_token_bitmask_` masks (the torch paths are their references)."""
         self.device = device
         self.sample_rows = getattr(kernels, "sample_rows", None)
+        self.apply_bitmask = getattr(kernels, "apply_token_bitmask_", None)
         # Unseeded rows draw from one stream owned by the model thread.
         self.rng = random.Random(seed)
         self.staging = Staging(device)
@@ -184,7 +192,7 @@ class Sampler:
         if pen or bans or shaped:
             logits = logits.clone()
         if shaped:
-            shape_logits(logits, [(i, rows[i]) for i in shaped])
+            shape_logits(logits, [(i, rows[i]) for i in shaped], self.apply_bitmask)
         if pen:
             self.penalties.fold(dev["fold_slots"], dev["fold_tokens"], dev["mark_slots"],
                                 dev["mark_tokens"], progress)

@@ -1,5 +1,5 @@
 """The C++ sampling kernels against the sampler's torch paths: `sample_rows`, and
-`apply_penalties_` (bit for bit) at the end.
+`apply_penalties_` and `apply_token_bitmask_` (bit for bit) at the end.
 
 Both samplers get the same rows (seeded, so both draw the same uniforms) and must pick
 the same tokens: temperature, top-k, top-p, min-p and their mixes in one batch, banned
@@ -18,7 +18,7 @@ import torch
 from gpu.batch import SamplingRow
 from gpu.kernels.cpu.build import cpu_kernels
 from gpu.penalties import PenaltyCounts
-from gpu.sampler import UNIFORM_BITS, Sampler
+from gpu.sampler import UNIFORM_BITS, Sampler, shape_logits
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
@@ -112,3 +112,19 @@ def test_the_penalty_kernel_matches_the_torch_penalties_bit_for_bit():
     assert torch.equal(logits, expected)
     assert (logits[rows] != raw[rows]).sum() > 50  # penalized...
     assert torch.equal(logits[[1, 4]], raw[[1, 4]])  # ... only the rows asked for
+
+
+@pytest.mark.parametrize("vocab", [64, 1003])
+def test_the_bitmask_kernel_masks_what_the_torch_unpacking_masks(vocab):
+    """xgrammar's layout, rows in any order, a vocabulary that ends inside a word."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, vocab)
+    words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    rows = [(4, SamplingRow(allowed=words[0])), (1, SamplingRow(allowed=words[1])),
+            (2, SamplingRow(allowed=words[2], logit_bias=((3, 2.5),)))]
+    expected, got = logits.clone(), logits.clone()
+    shape_logits(expected, rows)
+    shape_logits(got, rows, KERNELS.apply_token_bitmask_)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])  # rows without a grammar untouched
+    assert 0.3 < got[[1, 2, 4]].isinf().float().mean() < 0.7
