@@ -157,11 +157,13 @@ def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]],
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, kernels=None):
         """`kernels`: the C++ CPU kernels (`torch.ops.ridgeline_cpu`) when built; their
-        `sample_rows` then draws the sampled rows, `apply_penalties_` penalizes and
-        `apply_token_bitmask_` masks (the torch paths are their references)."""
+        `sample_rows` then draws the sampled rows, `argmax_rows` picks the greedy
+        ones, `apply_penalties_` penalizes and `apply_token_bitmask_` masks (the torch
+        paths are their references)."""
         self.device = device
         self.sample_rows = getattr(kernels, "sample_rows", None)
         self.apply_bitmask = getattr(kernels, "apply_token_bitmask_", None)
+        self.argmax_rows = getattr(kernels, "argmax_rows", None)
         # Unseeded rows draw from one stream owned by the model thread.
         self.rng = random.Random(seed)
         self.staging = Staging(device)
@@ -178,7 +180,7 @@ class Sampler:
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         shaped = [i for i, r in enumerate(rows) if r.allowed is not None or r.logit_bias]
         if not (lp or pen or sampled or bans or shaped):  # greedy, nothing else: fast path
-            (tokens,) = to_host(logits.argmax(dim=-1))
+            (tokens,) = to_host(self._argmax(logits))
             return tokens.tolist(), [None] * n
 
         s_rows = [rows[i] for i in sampled]
@@ -204,7 +206,7 @@ class Sampler:
         if len(sampled) == n:
             tokens = self._draw(logits, s_rows, dev, fields, vocab)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
             if sampled:
                 drawn = self._draw(logits[dev["sampled"]], s_rows, dev, fields, vocab)
                 tokens.index_copy_(0, dev["sampled"], drawn)
@@ -213,6 +215,11 @@ class Sampler:
             (host_tokens,) = to_host(tokens)
             return host_tokens.tolist(), [None] * n
         return self._with_logprobs(raw, tokens, rows, lp, dev)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.argmax_rows is not None and logits.dtype == FLOAT and logits.stride(-1) == 1:
+            return self.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _stage_row_values(self, rows: list[SamplingRow], lp: list[int], pen: list[int],
                           bans: list[tuple[int, int]], sampled: list[int], vocab: int):

@@ -1,5 +1,6 @@
-"""The C++ sampling kernels against the sampler's torch paths: `sample_rows`, and
-`apply_penalties_` and `apply_token_bitmask_` (bit for bit) at the end.
+"""The C++ sampling kernels against the sampler's torch paths: `sample_rows`, then
+`argmax_rows`, `apply_penalties_` and `apply_token_bitmask_` (exactly) at the end, and
+that the model thread's sampler takes them all.
 
 Both samplers get the same rows (seeded, so both draw the same uniforms) and must pick
 the same tokens: temperature, top-k, top-p, min-p and their mixes in one batch, banned
@@ -128,3 +129,30 @@ def test_the_bitmask_kernel_masks_what_the_torch_unpacking_masks(vocab):
     assert torch.equal(got, expected)
     assert torch.equal(got[[0, 3]], logits[[0, 3]])  # rows without a grammar untouched
     assert 0.3 < got[[1, 2, 4]].isinf().float().mean() < 0.7
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 49152])
+def test_argmax_rows_is_torch_argmax_with_ties_nans_and_empty_rows(vocab):
+    """The first index of the largest value (ties are everywhere: small integers), the
+    first NaN if there is one, 0 for a row of -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(20):
+        x = torch.randint(-3, 3, (4, vocab), generator=gen).float()
+        if trial % 3 == 0:
+            x[1, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+        if trial % 4 == 0:
+            x[2] = float("-inf")
+        assert torch.equal(KERNELS.argmax_rows(x), x.argmax(dim=-1)), trial
+
+
+def test_the_model_thread_samples_with_the_kernels(tiny_dir):
+    """Wired, not only built: a regression to the torch paths would be silent otherwise."""
+    from app import LLM
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=64)
+    try:
+        sampler = llm.engine.worker.wait_ready().sampler
+        assert None not in (sampler.sample_rows, sampler.argmax_rows, sampler.apply_bitmask,
+                            sampler.penalties.kernel)
+    finally:
+        llm.shutdown()

@@ -317,9 +317,62 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   return out;
 }
 
+// The first index of a row's largest value, or of its first NaN: torch.argmax's answer.
+int64_t argmax_row(const float* x, int64_t V) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t best = 0, v = 0;
+  bool nan = false;
+#ifdef __AVX512F__
+  // Per lane: the largest value and where it first came (only a strictly larger value
+  // moves it), then the lowest index among the lanes that hold the row's largest.
+  __m512 mx = _mm512_set1_ps(m);
+  __m512i at = _mm512_setzero_si512(), iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                               10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 unordered = 0;
+  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
+    const __m512 y = _mm512_loadu_ps(x + v);
+    unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    const __mmask16 larger = _mm512_cmp_ps_mask(y, mx, _CMP_GT_OQ);
+    mx = _mm512_mask_mov_ps(mx, larger, y);
+    at = _mm512_mask_mov_epi32(at, larger, iv);
+  }
+  m = _mm512_reduce_max_ps(mx);
+  const __mmask16 holders = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  best = v == 0 ? 0 : _mm512_mask_reduce_min_epi32(holders, at);
+  nan = unordered != 0;
+  if (v == 0) m = -std::numeric_limits<float>::infinity();
+#endif
+  for (; v < V; ++v) {
+    nan |= std::isnan(x[v]);
+    if (x[v] > m) m = x[v], best = v;
+  }
+  if (nan) {
+    for (int64_t j = 0; j < V; ++j) {
+      if (std::isnan(x[j])) return j;
+    }
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.stride(1) == 1 && logits.size(1) > 0,
+              "argmax_rows: logits must be [rows, vocab > 0] float32, unit column stride");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    o[r] = argmax_row(logits.data_ptr<float>() + r * logits.stride(0), V);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor min_p, Tensor bits) -> Tensor");
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
