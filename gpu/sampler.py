@@ -25,7 +25,8 @@ The order of a step, each stage over the rows that need it:
    here, before the split;
 3. greedy rows: argmax; sampled rows: temperature, top-k and top-p (one `topk` for the
    rows with a top-k; for rows with top-p alone a full sort, or on CPU the top 256
-   when they hold enough of every row's mass), min-p, then the draw;
+   when they hold enough of every row's mass), min-p, then the draw. On CPU with the
+   C++ kernels built, each of these is one kernel call instead (`Sampler.__init__`);
 4. the sampled tokens' logprobs and each row's top ones, and the copy to the host.
 """
 

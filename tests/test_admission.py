@@ -270,7 +270,7 @@ def test_a_request_past_its_deadline_is_shed_with_503(busy_server, stream):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            hog = asyncio.create_task(_hog(s, srv.url, 300))
+            hog = asyncio.create_task(_hog(s, srv.url))
             await asyncio.sleep(0.3)
             async with s.post(srv.url + "/v1/completions", headers={"X-Request-Timeout": "0.5"},
                               json={"prompt": "in a hurry", "max_tokens": 5,
