@@ -24,9 +24,9 @@ The order of a step, each stage over the rows that need it:
    must bind greedy rows too (a logit bias, a structured-output token mask) belongs
    here, before the split;
 3. greedy rows: argmax; sampled rows: temperature, top-k and top-p (one `topk` for the
-   rows with a top-k; for rows with top-p alone a full sort, or on CPU the top 256
-   when they hold enough of every row's mass), min-p, then the draw. On CPU with the
-   C++ kernels built, each of these is one kernel call instead (`Sampler.__init__`);
+   rows with a top-k, a full sort only for rows with top-p alone), min-p, then the
+   draw. On CPU with the C++ kernels built, each of these is one kernel call instead
+   (`Sampler.__init__`): this torch path is then their reference;
 4. the sampled tokens' logprobs and each row's top ones, and the copy to the host.
 """
 
@@ -44,11 +44,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
 LONG, FLOAT = torch.long, torch.float32
 UNIFORM_BITS = 53  # a double's mantissa: every uniform is exact in float64, and below 1
-# Rows with top-p alone rank the top 256 tokens first on CPU, then the top 4096 of rows
-# still unsettled: a full sort of a 49k vocabulary costs ~2.3 ms a row there, `topk` 256
-# ~0.15 ms. Rows whose top tokens hold too little mass (a flat distribution) still get
-# the full sort.
-TOP_P_CANDIDATES = (256, 4096)
 
 Logprobs = tuple[float, list[tuple[int, float]]] | None
 
@@ -80,10 +75,10 @@ def keep_top(probs: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor,
              k_max: int) -> torch.Tensor:
     """Which tokens survive top-k then top-p (as vLLM: top-p over the renormalised
     top-k): a bool mask like `probs`. Only the `k_max` most likely tokens are ranked."""
-    if k is None and k_max >= probs.shape[-1]:
-        return keep_top_p(probs, p)
-    ranked, order = probs.topk(k_max, dim=-1) if k_max < probs.shape[-1] else probs.sort(
-        dim=-1, descending=True)
+    if k_max < probs.shape[-1]:
+        ranked, order = probs.topk(k_max, dim=-1)
+    else:
+        ranked, order = probs.sort(dim=-1, descending=True)
     keep = torch.ones_like(ranked, dtype=torch.bool)
     if k is not None:
         rank = torch.arange(ranked.shape[-1], device=probs.device)[None, :]
@@ -93,36 +88,6 @@ def keep_top(probs: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor,
     exclusive_cum = ranked.cumsum(-1) - ranked
     keep &= exclusive_cum <= p[:, None]
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep)
-
-
-def keep_top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Top-p alone: keep the most likely tokens while the mass before each is at most p.
-    A row whose top c tokens hold more than p of its mass keeps none after them, so on
-    CPU each row is settled by the first of TOP_P_CANDIDATES that suffices, or a full
-    sort. That check reads device values: on CUDA, where no stall is wanted, every row
-    is sorted."""
-    vocab = probs.shape[-1]
-    caps = [c for c in TOP_P_CANDIDATES if c < vocab] if probs.device.type == "cpu" else []
-    keep, rows = None, None  # rows: those still unsettled (None: every row)
-    for cap in [*caps, vocab]:
-        sub, sub_p = (probs, p) if rows is None else (probs[rows], p[rows])
-        ranked, order = (sub.topk(cap, dim=-1) if cap < vocab
-                         else sub.sort(dim=-1, descending=True))
-        limit = sub_p[:, None] * sub.sum(-1, keepdim=True)
-        kept = torch.zeros_like(sub, dtype=torch.bool).scatter_(
-            1, order, ranked.cumsum(-1) - ranked <= limit)
-        settled = (ranked.sum(-1) > limit[:, 0]) if cap < vocab else None
-        if rows is None and (settled is None or bool(settled.all())):
-            return kept
-        if rows is None:
-            keep, rows = kept & settled[:, None], (~settled).nonzero()[:, 0]
-            continue
-        if settled is None or bool(settled.all()):
-            keep[rows] = kept
-            return keep
-        keep[rows[settled]] = kept[settled]
-        rows = rows[~settled]
-    raise AssertionError("the full sort settles every row")
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

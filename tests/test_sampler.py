@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-import gpu.sampler
 from gpu.batch import SamplingRow
 from gpu.sampler import UNIFORM_BITS, Sampler, inverse_transform, keep_top
 
@@ -199,7 +198,7 @@ def test_a_greedy_batch_is_one_argmax_and_one_wait(monkeypatch):
     assert tokens == [0, 1, 2] and waits == [1]
 
 
-# --- the draw, and top-p without a full sort -------------------------------------------
+# --- the draw -----------------------------------------------------------------------------
 
 
 def test_the_draw_follows_the_distribution_and_never_picks_a_zero():
@@ -217,26 +216,3 @@ def test_the_draw_follows_the_distribution_and_never_picks_a_zero():
         assert abs(c - n * p) < 4 * math.sqrt(n * p * (1 - p)) + 1, (p, c)
     edges = torch.tensor([0, 2**UNIFORM_BITS - 1])
     assert inverse_transform(probs.expand(2, -1), edges).tolist() == [1, len(PROBS)]
-
-
-def test_top_p_from_the_top_candidates_keeps_what_a_full_sort_keeps(monkeypatch):
-    """On CPU, top-p alone first ranks the top 256 (then 4096) tokens and sorts only
-    the rows they cannot settle. Peaked rows settle at the first stage, flatter ones at
-    the second, a flat one only by the sort: the kept sets must equal one full sort's."""
-    torch.manual_seed(2)
-    vocab = 6000
-    scale = torch.tensor([8.0, 6.0, 4.0, 2.0, 1.0, 0.05])[:, None]  # peaked ... flat
-    probs = torch.softmax(torch.randn(6, vocab) * scale, dim=-1)
-    p = torch.tensor([0.9, 0.95, 0.5, 0.9, 0.8, 0.9])
-    stages = []
-    real_topk = torch.Tensor.topk
-    monkeypatch.setattr(torch.Tensor, "topk",
-                        lambda t, k, **kw: stages.append((k, t.shape[0])) or real_topk(t, k, **kw))
-    staged = keep_top(probs, None, p, vocab)
-    monkeypatch.setattr(gpu.sampler, "TOP_P_CANDIDATES", ())
-    sorted_ = keep_top(probs, None, p, vocab)
-    assert torch.equal(staged, sorted_)
-    assert stages == [(256, 6), (4096, 3)]  # then the flat row alone is sorted
-    assert sorted_.sum(-1).tolist()[-1] > 4096
-    exclusive = (probs * sorted_).sum(-1) - probs.masked_fill(~sorted_, 1.0).amin(-1)
-    assert (exclusive <= p).all()  # the least likely kept token came in below p
