@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -306,13 +307,14 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   int64_t* o = out.data_ptr<int64_t>();
   // One row after another on the calling thread: a row is tens of microseconds, and on
   // a shared host a parallel region can wait a time slice for a descheduled thread.
-  std::vector<float> w(V), vals(V);
-  std::vector<int32_t> ids(V);
+  // Scratch rows, written before they are read: not zero-filled (3 x 196 KB a call).
+  std::unique_ptr<float[]> w(new float[V]), vals(new float[V]);
+  std::unique_ptr<int32_t[]> ids(new int32_t[V]);
   std::vector<double> sums;
   for (int64_t r = 0; r < R; ++r) {
-    weigh(lg + r * logits.stride(0), V, temp[r], w.data());
-    cut_row(w.data(), V, tk[r], tp[r], mp[r], vals.data(), ids.data());
-    o[r] = draw(w.data(), V, static_cast<uint64_t>(bt[r]), sums);
+    weigh(lg + r * logits.stride(0), V, temp[r], w.get());
+    cut_row(w.get(), V, tk[r], tp[r], mp[r], vals.get(), ids.get());
+    o[r] = draw(w.get(), V, static_cast<uint64_t>(bt[r]), sums);
   }
   return out;
 }
