@@ -18,6 +18,12 @@ so the bytes read are much of the step's cost: ~110 MB of blocks instead of 540 
 SmolLM2. The blocks' values are the fp32 weights' bit for bit; only the summation
 order differs.
 
+With `int8_activations` (opt-in) every call of a quantized layer, any number of rows,
+goes to the int8 kernels instead (`quant_linear_int8.cpp`): x is quantized per block of
+32 as llama.cpp does, and the products run on AVX512-VNNI, 0.5-0.6x the exact kernel's
+time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes. Not exact: tokens can
+differ from an fp32 run's (docs/gpu.md measures by how much).
+
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
 """
@@ -25,6 +31,7 @@ correctness never depends on it.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -99,18 +106,23 @@ class PackedLinear(nn.Module):
     fp32, also as quantized blocks or else as it is, for calls with few rows."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
-                 quantized: QuantizedWeight | None = None, kernels=None):
+                 quantized: QuantizedWeight | None = None, kernels=None,
+                 int8_activations: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         fp32 = weight.dtype == torch.float32
         self.quantized = (PanelBlocks.of(quantized) if quantized is not None and fp32
                           and kernels is not None else None)
-        self._quantized_op = (getattr(kernels, f"{quantized.format}_linear")
+        # With int8 activations the blocks take every call: no packed copy to hold.
+        int8_activations = int8_activations and self.quantized is not None
+        self.packed = (None if int8_activations
+                       else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
+        suffix = "_int8" if int8_activations else ""
+        self._quantized_op = (getattr(kernels, f"{quantized.format}_linear{suffix}")
                               if self.quantized is not None else None)
-        self.quantized_max_rows = (QUANTIZED_MAX_ROWS[quantized.format]
-                                   if self.quantized is not None else 0)
+        self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
+                                   if int8_activations else QUANTIZED_MAX_ROWS[quantized.format])
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
@@ -151,11 +163,26 @@ def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
     return (q.out_features, k) == tuple(weight.shape)
 
 
+def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
+                     kernels) -> str | None:
+    """Why `int8_activations` cannot run here (None: it can)."""
+    if dtype != torch.float32:
+        return f"it needs --dtype float32 (got {str(dtype).removeprefix('torch.')})"
+    if not quantized:
+        return "it needs a GGUF model with Q4_1 or Q8_0 weights"
+    if not _packing_available() or kernels is None or not hasattr(kernels, "q4_1_linear_int8"):
+        return "the C++ CPU kernels are not available (see the log above)"
+    if not kernels.int8_linear_supported():
+        return "this CPU lacks AVX512-VNNI or AVX512-VBMI"
+    return None
+
+
 def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
-                 kernels=None) -> int:
+                 kernels=None, int8_activations: bool = False) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
-    a GGUF's blocks by HF name, used with the C++ `kernels` where they fit.
+    a GGUF's blocks by HF name, used with the C++ `kernels` where they fit, with int8
+    activations when asked (the caller checks `int8_unavailable` first).
 
     Returns the bytes the packed copies add to the weights."""
     if not _packing_available():
@@ -172,11 +199,13 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         nonlocal count, extra, used
         q = sources.get(name)
         layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
-                             kernels=kernels)
+                             kernels=kernels, int8_activations=int8_activations)
         count += 1
         if layer.quantized is not None:
             used += 1
             extra += layer.quantized.nbytes
+        if layer.packed is None:  # the blocks alone: the weight itself is let go
+            extra -= weight.numel() * weight.element_size()
         # Two copies where there was one: the plain weight (or the embedding, still
         # needed for the lookup) beside the packed one.
         if layer.plain is not None or name == "embed_tokens.weight":
@@ -194,9 +223,14 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         model.lm_head = pack(embed.weight, "embed_tokens.weight")
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        log.info("packed %d %s linear weights for oneDNN, %d of them also read from their "
-                 "quantized blocks for calls of few rows (+%.2f GiB)", count, dtype, used,
-                 extra / 2**30)
+        if int8_activations:
+            log.info("%d of %d %s linear weights read from their quantized blocks with int8 "
+                     "activations for every call, the rest packed for oneDNN (%+.2f GiB)",
+                     used, count, dtype, extra / 2**30)
+        else:
+            log.info("packed %d %s linear weights for oneDNN, %d of them also read from "
+                     "their quantized blocks for calls of few rows (%+.2f GiB)", count, dtype,
+                     used, extra / 2**30)
     return extra
 
 

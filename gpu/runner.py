@@ -64,6 +64,7 @@ class RunnerSpec:
     max_num_batched_tokens: int
     torch_threads: int | None  # None: torch's default
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
+    int8_activations: bool = False  # those blocks for every call, x quantized to int8
 
     @classmethod
     def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
@@ -186,13 +187,19 @@ class ModelRunner:
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         if self.device.type == "cpu":
-            from gpu.cpu_linear import pack_linears, quantized_reads
+            from gpu.cpu_linear import int8_unavailable, pack_linears, quantized_reads
 
             blocks = (gguf_blocks.load(spec.model_dir)
                       if spec.cpu_quantized_matmul and weights is None else {})
+            kernels = getattr(self.backend, "kernels", None)
+            if spec.int8_activations and (why := int8_unavailable(self.dtype, blocks, kernels)):
+                raise ValueError(f"--int8-activations cannot run: {why}")
             # Logs what its packed copies and the blocks add in host memory.
-            pack_linears(self.model, blocks, getattr(self.backend, "kernels", None))
+            pack_linears(self.model, blocks, kernels, spec.int8_activations)
             block_reads = quantized_reads(self.model)
+        elif spec.int8_activations:
+            raise ValueError("--int8-activations is for CPU: this model runs on "
+                             f"{self.device}")
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.

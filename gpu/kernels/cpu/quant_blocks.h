@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -146,5 +147,35 @@ struct Q8_0 {
   }
 #endif
 };
+
+#ifdef __AVX512F__
+constexpr int64_t kTile = 12;  // x rows per micro-kernel at most (with_rows dispatches)
+
+// Lane masks for the panel's two vectors when only `cols` of its 32 outputs exist.
+inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
+  m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+}
+
+// Dispatch on a row count (1..kTile) so each micro-kernel's loops have constant bounds
+// (fully unrolled, accumulators in registers).
+template <typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    case 9: fn(std::integral_constant<int, 9>{}); break;
+    case 10: fn(std::integral_constant<int, 10>{}); break;
+    case 11: fn(std::integral_constant<int, 11>{}); break;
+    default: fn(std::integral_constant<int, 12>{}); break;
+  }
+}
+#endif
 
 }  // namespace quant

@@ -53,18 +53,11 @@ namespace {
 
 using namespace quant;
 
-constexpr int64_t kTile = 12;           // x rows per micro-kernel: 24 accumulators
 constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
 constexpr int64_t kPerBlockMaxRows = 4;  // scales applied per block, not per weight, up to here
 constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
 
 #ifdef __AVX512F__
-// Lane masks for the panel's two vectors when only `cols` of its 32 outputs exist.
-inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
-  m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-}
-
 // T rows of a panel's 32 outputs (row stride os), the lanes past `cols` left alone.
 template <int T>
 inline void store_rows(const __m512 (&acc)[T][2], float* out, int64_t os, __mmask16 m0,
@@ -156,26 +149,6 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
   store_rows<R>(acc, out, os, m0, m1);
 }
 
-// Dispatch on a row count (1..kTile) so each micro-kernel's loops have constant bounds
-// (fully unrolled, accumulators in registers).
-template <typename Fn>
-inline void with_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 9: fn(std::integral_constant<int, 9>{}); break;
-    case 10: fn(std::integral_constant<int, 10>{}); break;
-    case 11: fn(std::integral_constant<int, 11>{}); break;
-    default: fn(std::integral_constant<int, 12>{}); break;
-  }
-}
-static_assert(kTile == 12, "with_rows dispatches up to 12 rows");
 template <typename Fn>
 inline void with_few_rows(int64_t rows, Fn&& fn) {
   switch (rows) {

@@ -1,0 +1,278 @@
+// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0) with x quantized to int8: opt-in
+// (`--int8-activations`), for AVX512-VNNI CPUs.
+//
+// Why: from ~8 rows up the exact kernels (quant_linear.cpp) are bound by their fp32
+// FMAs, 16 multiply-adds an instruction. VNNI's vpdpbusd does 64 byte products an
+// instruction at the same rate (measured here: both ~2 a cycle), so with x in int8
+// the work per weight is about a quarter. llama.cpp does this for every quantized
+// matmul on CPU, and vLLM's GGUF kernels on CUDA do it too (Q8_1 activations).
+//
+// What changes: each row of x is quantized per block of 32 k, symmetric, as llama.cpp's
+// Q8_0: d = max|x| / 127, q = round(x / d). A block then adds
+//   Q4_1: d_w * d_x * sum(q_w * q_x) + m_w * sum(x)   (sum(x) exact, in fp32)
+//   Q8_0: d_w * d_x * sum(q_w * q_x)
+// with the integer sums exact. So the result differs from the fp32 matmul by x's
+// rounding to 8 bits (relative ~0.4 % per value at most), and greedy tokens can differ
+// from an exact run's; docs/gpu.md has the measured effect on perplexity.
+//
+// How: per panel half (16 outputs, a vector of 16 int32 lanes) and tile of up to kTile
+// rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per output from the
+// panel layout (quant_blocks.h: a k's 32 outputs are contiguous) into [output][4 k], and
+// each row's 4 x bytes are broadcast to every lane. Q4_1's byte holds k and k + 16, so
+// one gather serves two groups (low and high nibbles, both unsigned levels 0-15 as
+// vpdpbusd's unsigned operand). Q8_0's levels are signed, so there x is made unsigned
+// (q_x + 128) and 128 * sum(q_w), counted per block with the same instruction, is taken
+// off again. Per block and row the int32 sums are converted and scaled once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define RIDGELINE_INT8 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace quant;
+
+#ifdef RIDGELINE_INT8
+// x's rows quantized per block of 32, block-major so that a tile's rows sit at fixed
+// offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M].
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  int64_t M = 0, blocks = 0;
+};
+
+// Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
+// (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
+// and levels 0.
+Int8Rows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  const float* src = x.const_data_ptr<float>();
+  Int8Rows r;
+  r.M = M;
+  r.blocks = K / kBlock;
+  r.q.resize(M * K);
+  r.d.resize(M * r.blocks);
+  r.sum.resize(M * r.blocks);
+  at::parallel_for(0, M * r.blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / M, t = i % M;
+      const float* v = src + t * xs + b * kBlock;
+      int8_t* q = r.q.data() + i * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m512 scale = _mm512_set1_ps(inv);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
+      r.d[i] = d;
+      r.sum[i] = sum;
+    }
+  });
+  return r;
+}
+
+// vpermt2b indices: output lane n (of the half's 16), byte i <- row 4g + i of the
+// 128 bytes loaded from rows 4g..4g+3 (32 outputs each), output 16 * half + n.
+inline __m512i gather_index(int half) {
+  alignas(64) uint8_t idx[64];
+  for (int n = 0; n < 16; ++n)
+    for (int i = 0; i < 4; ++i) idx[n * 4 + i] = static_cast<uint8_t>(i * 32 + 16 * half + n);
+  return _mm512_load_si512(idx);
+}
+
+// The 4 k bytes (rows 4g..4g+3 of a block's [j][32] bytes) of the half's 16 outputs.
+inline __m512i gather_group(const uint8_t* rows, __m512i index) {
+  return _mm512_permutex2var_epi8(_mm512_loadu_si512(rows), index,
+                                  _mm512_loadu_si512(rows + 2 * kPanel));
+}
+
+inline __m512i broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// T rows of x (levels from row r0) against half `half` of Q4_1 panel p.
+template <int T>
+inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
+                      float* out, int64_t os, __mmask16 mask) {
+  const __m512i index = gather_index(half), nibble = _mm512_set1_epi8(0x0F);
+  const int64_t blocks = w.K / kBlock;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = (p * blocks + b) * kPanel;
+    const uint8_t* q = w.qs + at * 16;
+    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d.data() + b * x.M + r0;
+    const float* xsum = x.sum.data() + b * x.M + r0;
+    __m512i dot[T];
+    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m512i both = gather_group(q + 4 * g * kPanel, index);
+      const __m512i lo = _mm512_and_si512(both, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+      for (int t = 0; t < T; ++t) {
+        dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4(xq + t * kBlock + 4 * g));
+        dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4(xq + t * kBlock + 4 * g + 16));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(w.d + at + 16 * half);
+    const __m512 m = _mm512_loadu_ps(w.m + at + 16 * half);
+    for (int t = 0; t < T; ++t) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_set1_ps(xd[t]));
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), _mm512_fmadd_ps(scaled, d, acc[t]));
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
+}
+
+// T rows of x against half `half` of Q8_0 panel p. vpdpbusd multiplies unsigned by
+// signed bytes: the signed weights take the signed side, x goes as q_x + 128.
+template <int T>
+inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
+                      float* out, int64_t os, __mmask16 mask) {
+  const __m512i index = gather_index(half), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
+                ones = _mm512_set1_epi8(1);
+  const int64_t blocks = w.K / kBlock;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = (p * blocks + b) * kPanel;
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(w.qs + at * kBlock);
+    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d.data() + b * x.M + r0;
+    __m512i dot[T], wsum = _mm512_setzero_si512();
+    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i levels = gather_group(q + 4 * g * kPanel, index);
+      wsum = _mm512_dpbusd_epi32(wsum, ones, levels);
+      for (int t = 0; t < T; ++t) {
+        const __m512i xu = _mm512_xor_si512(broadcast4(xq + t * kBlock + 4 * g), flip);
+        dot[t] = _mm512_dpbusd_epi32(dot[t], xu, levels);
+      }
+    }
+    const __m512i bias = _mm512_slli_epi32(wsum, 7);  // 128 * sum(q_w)
+    const __m512 d = _mm512_loadu_ps(w.d + at + 16 * half);
+    for (int t = 0; t < T; ++t) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], bias));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_set1_ps(xd[t])), d, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
+}
+
+// Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
+// tiles of equal size, at most kTile. Chunking keeps the rows' levels (K bytes a row)
+// in L2 while every panel reads them: unchunked, a 2048-row prefill of the K = 1536
+// down projection read its 3 MB of levels from L3 once per panel half and ran at
+// 1.13x oneDNN's fp32 time, against 0.58x at 512 rows.
+constexpr int64_t kRowChunk = 256;
+
+template <typename W, typename Tile>
+void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& tile) {
+  const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
+  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, M - c0), tiles = (rows + kTile - 1) / kTile,
+                  tile_rows = (rows + tiles - 1) / tiles;
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        __mmask16 masks[2];
+        column_masks(std::min(kPanel, N - p * kPanel), masks[0], masks[1]);
+        for (int half = 0; half < 2 && masks[half]; ++half)
+          for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
+            with_rows(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
+              tile(std::integral_constant<int, decltype(T)::value>{}, w, p, half, x, r0,
+                   out + r0 * N + p * kPanel, N, masks[half]);
+            });
+      }
+    });
+  }
+}
+#endif
+
+void check_int8(const at::Tensor& x, const at::Tensor& qweight, int64_t per_block,
+                const char* op) {
+#ifndef RIDGELINE_INT8
+  TORCH_CHECK(false, op, ": needs a CPU with AVX512-VNNI and AVX512-VBMI (this build has none)");
+#endif
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be float32 [M, K] with contiguous rows, got ", x.scalar_type(), " ",
+              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(qweight.dim() == 4 && qweight.is_contiguous() && qweight.size(2) == per_block &&
+                  qweight.size(3) == kPanel && x.size(1) == qweight.size(1) * kBlock,
+              op, ": qweight must be contiguous [panels, K/32, ", per_block,
+              ", 32] with K = x's, got ", qweight.sizes(), " for x ", x.sizes());
+}
+
+at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
+  check_int8(x, qweight, 16, "q4_1_linear_int8");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && N > (qweight.size(0) - 1) * kPanel &&
+                  N <= qweight.size(0) * kPanel && scales.sizes() == mins.sizes() &&
+                  scales.is_contiguous() && mins.is_contiguous(),
+              "q4_1_linear_int8: uint8 panels, N within them, scales and mins alike");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+#ifdef RIDGELINE_INT8
+  if (x.size(0) == 0) return out;
+  const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+               mins.const_data_ptr<float>(), x.size(1)};
+  int8_linear(w, quantize_rows(x), N, out.mutable_data_ptr<float>(),
+              [](auto T, auto&&... args) { tile_q4_1<decltype(T)::value>(args...); });
+#endif
+  return out;
+}
+
+at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, int64_t N) {
+  check_int8(x, qweight, kBlock, "q8_0_linear_int8");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && N > (qweight.size(0) - 1) * kPanel &&
+                  N <= qweight.size(0) * kPanel && scales.is_contiguous(),
+              "q8_0_linear_int8: int8 panels, N within them, contiguous scales");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+#ifdef RIDGELINE_INT8
+  if (x.size(0) == 0) return out;
+  const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), x.size(1)};
+  int8_linear(w, quantize_rows(x), N, out.mutable_data_ptr<float>(),
+              [](auto T, auto&&... args) { tile_q8_0<decltype(T)::value>(args...); });
+#endif
+  return out;
+}
+
+bool int8_linear_supported() {
+#ifdef RIDGELINE_INT8
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("int8_linear_supported() -> bool");
+  m.impl("int8_linear_supported", c10::DispatchKey::CatchAll, TORCH_FN(int8_linear_supported));
+  m.def("q4_1_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
+  m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
+  m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_int8));
+  m.impl("q8_0_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_int8));
+}
