@@ -1,6 +1,7 @@
 """Paired A/B of SmolLM2's linear layers on CPU: fp32 `F.linear`, oneDNN-packed fp32, and
-the C++ kernels reading the GGUF-quantized weights (Q4_1 layers, Q8_0 LM head), in one
-process, interleaved, so host noise hits all alike.
+the C++ kernels reading the GGUF-quantized weights (Q4_1 layers, Q8_0 LM head), and
+where the CPU has AVX512-VNNI the same blocks with x quantized to int8
+(`--int8-activations`), in one process, interleaved, so host noise hits all alike.
 
     python benchmarks/cpu_quant_linear_ab.py [--threads 2] [--reps 5] [--flush] [OUT.json]
 
@@ -41,7 +42,7 @@ SHAPES = {"qkv": (960, 576, "q4_1"), "o_proj": (576, 576, "q4_1"),
           "gate_up": (3072, 576, "q4_1"), "down": (576, 1536, "q4_1"),
           "lm_head": (49152, 576, "q8_0")}
 ROWS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
-VARIANTS = ("plain", "packed", "quant")
+VARIANTS = ("plain", "packed", "quant", "int8")  # int8: where the CPU has AVX512-VNNI
 
 
 def random_weight(n: int, k: int, fmt: str):
@@ -60,13 +61,14 @@ def random_weight(n: int, k: int, fmt: str):
     return (qweight, scales), w
 
 
-def build_model(kernels):
+def build_model(kernels, variants):
     """Per variant, per shape: a list of callables taking x (one per layer copy)."""
-    model: dict[str, dict[str, list]] = {v: {} for v in VARIANTS}
+    model: dict[str, dict[str, list]] = {v: {} for v in variants}
     for name, (n, k, fmt) in SHAPES.items():
         copies = 1 if name == "lm_head" else LAYERS
-        quant_op = kernels.q4_1_linear if fmt == "q4_1" else kernels.q8_0_linear
-        for v in VARIANTS:
+        quant_op = getattr(kernels, f"{fmt}_linear")
+        int8_op = getattr(kernels, f"{fmt}_linear_int8")
+        for v in variants:
             model[v][name] = []
         for _ in range(copies):
             q, w = random_weight(n, k, fmt)
@@ -77,14 +79,20 @@ def build_model(kernels):
                 lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
                                                                        [None], ""))
             model["quant"][name].append(lambda x, q=q, op=quant_op: op(x, *q))
+            if "int8" in model:
+                model["int8"][name].append(lambda x, q=q, op=int8_op: op(x, *q))
     return model
 
 
 def check_agreement(model, xs) -> None:
+    """The exact variants to rounding; int8 within x's quantization (~1 % of the range)."""
     for name in SHAPES:
         ref = model["plain"][name][0](xs[name])
-        for v in VARIANTS[1:]:
+        for v in ("packed", "quant"):
             torch.testing.assert_close(model[v][name][0](xs[name]), ref, rtol=1e-4, atol=1e-3)
+        if "int8" in model:
+            err = (model["int8"][name][0](xs[name]) - ref).abs().max() / ref.abs().max()
+            assert err < 2e-2, f"int8 {name}: relative error {err:.3g}"
 
 
 def time_step(layers: dict[str, list], xs: dict[str, torch.Tensor], flush) -> dict[str, float]:
@@ -116,36 +124,43 @@ def main() -> None:
     torch.manual_seed(0)
     kernels = cpu_kernels()
     assert kernels is not None, "the C++ kernels did not build"
-    model = build_model(kernels)
+    variants = VARIANTS if kernels.int8_linear_supported() else VARIANTS[:3]
+    model = build_model(kernels, variants)
     flush = torch.ones(2**28) if a.flush else None
     rows = []
     with torch.inference_mode():
         for m in map(int, a.rows.split(",")):
             xs = {name: torch.randn(m, k) for name, (_, k, _) in SHAPES.items()}
             check_agreement(model, xs)
-            for v in VARIANTS:  # warm-up
+            for v in variants:  # warm-up
                 time_step(model[v], xs, flush)
-            samples = {v: {name: [] for name in SHAPES} for v in VARIANTS}
+            samples = {v: {name: [] for name in SHAPES} for v in variants}
             for rep in range(a.reps):
-                first = rep % len(VARIANTS)  # rotate who goes first
-                for v in VARIANTS[first:] + VARIANTS[:first]:
+                first = rep % len(variants)  # rotate who goes first
+                for v in variants[first:] + variants[:first]:
                     steps = [time_step(model[v], xs, flush) for _ in range(a.steps)]
                     for name in SHAPES:
                         samples[v][name].append(statistics.median(s[name] for s in steps))
             for name in SHAPES:
-                ms = {v: statistics.median(samples[v][name]) for v in VARIANTS}
+                ms = {v: statistics.median(samples[v][name]) for v in variants}
                 row = {"shape": name, "N": SHAPES[name][0], "K": SHAPES[name][1],
                        "format": SHAPES[name][2], "M": m, "threads": a.threads,
                        "flush": a.flush, "calls": 1 if name == "lm_head" else LAYERS,
                        **{f"{v}_ms": t for v, t in ms.items()},
                        "quant_over_packed": ms["quant"] / ms["packed"],
                        "quant_over_plain": ms["quant"] / ms["plain"],
-                       "samples_ms": {v: samples[v][name] for v in VARIANTS}}
+                       "samples_ms": {v: samples[v][name] for v in variants}}
+                int8 = ""
+                if "int8" in ms:
+                    row["int8_over_quant"] = ms["int8"] / ms["quant"]
+                    row["int8_over_packed"] = ms["int8"] / ms["packed"]
+                    int8 = (f" | int8 {ms['int8']:8.3f} ms, /quant {row['int8_over_quant']:.2f}"
+                            f" /packed {row['int8_over_packed']:.2f}")
                 rows.append(row)
                 print(f"M={m:4d} {name:8s} plain {ms['plain']:8.3f}  packed {ms['packed']:8.3f}"
                       f"  quant {ms['quant']:8.3f} ms | quant/packed "
-                      f"{row['quant_over_packed']:.2f}  quant/plain {row['quant_over_plain']:.2f}",
-                      flush=True)
+                      f"{row['quant_over_packed']:.2f}  quant/plain {row['quant_over_plain']:.2f}"
+                      + int8, flush=True)
     crossover = {}
     for name in SHAPES:
         losing = [r["M"] for r in rows if r["shape"] == name

@@ -224,9 +224,10 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         if int8_activations:
+            rest = f", the other {count - used} packed for oneDNN" if used < count else ""
             log.info("%d of %d %s linear weights read from their quantized blocks with int8 "
-                     "activations for every call, the rest packed for oneDNN (%+.2f GiB)",
-                     used, count, dtype, extra / 2**30)
+                     "activations for every call%s (%+.2f GiB)", used, count, dtype, rest,
+                     extra / 2**30)
         else:
             log.info("packed %d %s linear weights for oneDNN, %d of them also read from "
                      "their quantized blocks for calls of few rows (%+.2f GiB)", count, dtype,

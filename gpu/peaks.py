@@ -9,7 +9,9 @@ the model runs in (its dtype, its torch threads):
   CPU 256 MiB, far beyond its caches: a larger one only adds page faults to the start),
   counting the bytes read and the bytes written, as a step's traffic is counted;
 - matmul: a square matmul in the served dtype through `F.linear`, the model's own
-  path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau).
+  path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau). With
+  `--int8-activations` the model's own path is the int8 kernel on Q4_1 blocks, so that
+  is what is timed: against fp32's peak its prefill steps read an MFU above 100 %.
 
 Measured once per process and device: the engines of one process (tests) share it.
 """
@@ -58,20 +60,23 @@ def copy_buffer_bytes(device: torch.device, weights_bytes: int) -> int:
     return 256 * MiB
 
 
-def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int = 0
-                  ) -> DevicePeaks:
-    """Measure (or recall) the device's copy bandwidth and matmul throughput."""
-    key = (str(device), dtype, torch.get_num_threads())
+def measure_peaks(device: torch.device, dtype: torch.dtype, weights_bytes: int = 0,
+                  int8_kernels=None) -> DevicePeaks:
+    """Measure (or recall) the device's copy bandwidth and matmul throughput (through
+    the C++ `int8_kernels` when the model's matmuls run there)."""
+    key = (str(device), dtype, torch.get_num_threads(), int8_kernels is not None)
     if key in _MEASURED:
         return _MEASURED[key]
     t_start = time.perf_counter()
     n = copy_buffer_bytes(device, weights_bytes)
     copy_s = _copy_seconds(device, n)
     m = 8192 if device.type == "cuda" else 1024
-    mm_s = _matmul_seconds(device, dtype, m)
+    mm_s = (_int8_matmul_seconds(int8_kernels, m) if int8_kernels is not None
+            else _matmul_seconds(device, dtype, m))
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    name = str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.") + (
+        " with int8 activations" if int8_kernels is not None else "")
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     peaks = DevicePeaks(
         bandwidth=2 * n / copy_s, flops=2 * m**3 / mm_s, device=_describe(device), dtype=name,
@@ -91,6 +96,21 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, m: int) -> float:
     x = torch.randn(m, m, device=device, dtype=dtype)
     w = torch.randn(m, m, device=device, dtype=dtype)
     return _best_seconds(device, lambda: F.linear(x, w))
+
+
+def _int8_matmul_seconds(kernels, m: int) -> float:
+    """An m x m x m matmul as `--int8-activations` runs it: x quantized to int8 against
+    Q4_1 blocks (random levels; f16 scales, as `PanelBlocks` requires)."""
+    from gpu.cpu_linear import PanelBlocks
+    from models.gguf_blocks import QuantizedWeight
+
+    blocks = m // 32
+    weight = QuantizedWeight("q4_1", torch.randint(0, 256, (m, m // 2), dtype=torch.uint8),
+                             torch.rand(m, blocks).half().float(),
+                             torch.rand(m, blocks).half().float())
+    tensors = PanelBlocks.of(weight).tensors
+    x = torch.randn(m, m)
+    return _best_seconds(torch.device("cpu"), lambda: kernels.q4_1_linear_int8(x, *tensors, m))
 
 
 def _describe(device: torch.device) -> str:

@@ -203,7 +203,10 @@ class ModelRunner:
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
-        self.peaks: DevicePeaks = measure_peaks(self.device, self.dtype, weights_bytes)
+        self.peaks: DevicePeaks = measure_peaks(
+            self.device, self.dtype, weights_bytes,
+            int8_kernels=getattr(self.backend, "kernels", None) if spec.int8_activations
+            else None)
         self.profile = self._profile()
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         self.plan: KVPlan = plan_kv_cache(

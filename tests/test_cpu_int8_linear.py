@@ -166,3 +166,17 @@ def test_int8_smollm2_scores_close_to_exact() -> None:
     assert top1 >= 0.85, top1
     assert deltas[len(deltas) // 2] < 0.15
     assert 0 < sum(deltas)  # not silently the exact path
+
+
+@needs_int8
+def test_peaks_time_the_int8_matmul_when_it_is_the_models_path() -> None:
+    """The roofline's matmul peak is the model's own path: with int8 activations, the
+    int8 kernel (which outruns fp32's FMAs), measured and cached apart from fp32's."""
+    from gpu.peaks import measure_peaks
+
+    cpu = torch.device("cpu")
+    fp32 = measure_peaks(cpu, torch.float32)
+    int8 = measure_peaks(cpu, torch.float32, int8_kernels=KERNELS)
+    assert int8 is not fp32 and int8.flops > 0
+    assert int8.dtype == "float32 with int8 activations" and fp32.dtype == "float32"
+    assert measure_peaks(cpu, torch.float32, int8_kernels=KERNELS) is int8
