@@ -20,6 +20,7 @@ from typing import Any
 PREEMPTION_POLICIES = ("newest", "priority", "length")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's flag; its fp8 choices are not built
 DEFAULT_MAX_MODEL_LEN = 4096  # cap for models whose context is larger, unless asked
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -103,6 +104,11 @@ class CacheConfig:
         flags=("--gpu-memory-utilization", "--mem-fraction-static"))
     num_blocks: int | None = setting(None, "an exact KV pool size in blocks",
                                      flags=("--num-gpu-blocks-override", "--num-blocks"))
+    kv_cache_dtype: str = setting(
+        "auto", "dtype of the KV cache: auto (the model's), or bfloat16 under a float32 "
+        "model on CPU: half the cache's bytes, so twice the tokens and half the attention "
+        "reads; attention still computes in float32, keys and values rounded to bfloat16",
+        choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes "
                                           "already computed (automatic prefix caching)")
     kv_events_config: str | None = setting(
@@ -120,6 +126,9 @@ class CacheConfig:
             )
         _positive("kv_cache_memory", self.kv_cache_memory)
         _positive("num_blocks", self.num_blocks)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

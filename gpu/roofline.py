@@ -159,7 +159,10 @@ class ModelCost:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int, window: int | None = None,
-                    blocks: QuantizedReads | None = None) -> ModelCost:
+                    blocks: QuantizedReads | None = None,
+                    kv_dtype_bytes: int | None = None) -> ModelCost:
+        """`kv_dtype_bytes`: the KV cache's element size where it differs from the
+        weights' (`--kv-cache-dtype`)."""
         hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         matmul = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
@@ -181,7 +184,7 @@ class ModelCost:
             head_params=head,
             hidden_size=hidden,
             dtype_bytes=dtype_bytes,
-            kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
+            kv_bytes_per_token=cfg.kv_bytes_per_token(kv_dtype_bytes or dtype_bytes),
             attention_flops_per_pair=4 * cfg.num_heads * hd * cfg.num_layers,
             window=window,
             blocks=blocks,

@@ -65,6 +65,7 @@ class RunnerSpec:
     torch_threads: int | None  # None: torch's default
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
+    kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
 
     @classmethod
     def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
@@ -93,6 +94,18 @@ def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     if not torch.cuda.is_bf16_supported():
         return torch.float16, "auto: float16 on a CUDA device without bfloat16"
     return torch.bfloat16, "auto: bfloat16 on CUDA, half the bytes of float32"
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's, or bfloat16 under a float32 model on CPU (the C++
+    attention kernels widen it to float32 as they read; elsewhere it is refused, naming
+    why, rather than run in another dtype than asked)."""
+    if name == "auto" or DTYPES.get(name) == dtype:
+        return dtype
+    if name == "bfloat16" and dtype == torch.float32 and device.type == "cpu":
+        return torch.bfloat16
+    raise ValueError(f"--kv-cache-dtype {name} is for a float32 model on CPU; this one is "
+                     f"{str(dtype).removeprefix('torch.')} on {device} (use auto)")
 
 
 def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int):
@@ -155,6 +168,7 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, self.dtype, self.device)
         self.config = ModelConfig.from_dir(spec.model_dir)
         # CPU threads: a fixed number when asked, else fitted to what the host leaves free.
         self.governor: ThreadGovernor | None = None
@@ -209,10 +223,11 @@ class ModelRunner:
             else None)
         self.profile = self._profile()
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        kv_dtype_bytes = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.plan: KVPlan = plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                dtype_bytes,
+                kv_dtype_bytes,
             ),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
@@ -227,13 +242,18 @@ class ModelRunner:
             sliding_window=self.config.uniform_window,
         )
         self.cost = ModelCost.from_config(self.config, dtype_bytes, self.plan.sliding_window,
-                                          block_reads)
+                                          block_reads, kv_dtype_bytes)
         log_roofline(self.peaks, self.cost, spec.max_num_seqs, self.plan.max_model_len)
         shape = self.backend.kv_cache_shape(self.plan.num_blocks)
+        if self.kv_dtype != self.dtype:
+            log.info("KV cache dtype: %s under %s weights (--kv-cache-dtype): half the bytes "
+                     "per token, attention computes in float32",
+                     str(self.kv_dtype).removeprefix("torch."),
+                     str(self.dtype).removeprefix("torch."))
         # Allocated once, never per request.
-        self.k_caches = [zeroed_pool(shape, self.dtype, self.device)
+        self.k_caches = [zeroed_pool(shape, self.kv_dtype, self.device)
                          for _ in range(self.config.num_layers)]
-        self.v_caches = [zeroed_pool(shape, self.dtype, self.device)
+        self.v_caches = [zeroed_pool(shape, self.kv_dtype, self.device)
                          for _ in range(self.config.num_layers)]
         self.sampler = Sampler(self.device, spec.seed, getattr(self.backend, "kernels", None))
         # The engine's block tables, one persistent row per scheduled request.

@@ -66,11 +66,14 @@ def test_other_shapes_fall_back_to_the_reference():
                                DecoderOps().rms_norm(h, torch.ones(16, dtype=torch.float64), 1e-6))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "pool_dtype"), [(torch.float32, None), (torch.bfloat16, None),
+                                                   (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "fp32-bf16-pool"])
 @pytest.mark.parametrize("rot", [64, 32])  # full, and partial rotary (Phi-3 style)
-def test_rotary_kv_store_matches_rotate_then_store(dtype, rot):
+def test_rotary_kv_store_matches_rotate_then_store(dtype, pool_dtype, rot):
     """q rotated in place inside the fused qkv rows, k rotated into the pool, v stored,
-    bit for bit what models/rope.py and two index_copy_ calls give."""
+    bit for bit what models/rope.py and two index_copy_ calls give; into a bfloat16 pool
+    under float32 (`--kv-cache-dtype bfloat16`) each value rounded as `.to` rounds it."""
     from models.rope import apply_rotary
 
     tokens, heads, kv_heads, dim, slots = 5, 9, 3, 64, 40
@@ -81,10 +84,10 @@ def test_rotary_kv_store_matches_rotate_then_store(dtype, rot):
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
     slot_mapping = torch.tensor([7, 0, 39, 12, 13])
     want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    want_kc, want_vc = torch.zeros(kv_heads, slots, dim, dtype=dtype), None
+    want_kc = torch.zeros(kv_heads, slots, dim, dtype=pool_dtype or dtype)
     want_vc = torch.zeros_like(want_kc)
-    want_kc.index_copy_(1, slot_mapping, want_k.transpose(0, 1))
-    want_vc.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    want_kc.index_copy_(1, slot_mapping, want_k.transpose(0, 1).to(want_kc.dtype))
+    want_vc.index_copy_(1, slot_mapping, v.transpose(0, 1).to(want_vc.dtype))
     kc, vc = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
     v_before = v.clone()
     KERNELS.rotary_kv_store_(q, k, v, cos, sin, kc, vc, slot_mapping)

@@ -38,15 +38,18 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype, window):
-    """One layer of one step through the backend with and without the kernel."""
+def attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype, window,
+                     pool_dtype=None, pools_out=None):
+    """One layer of one step through the backend with and without the kernel (pools in
+    `pool_dtype`, default `dtype`; `pools_out` collects each way's pools after)."""
     context = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
     num_blocks = sum(-(-n // block_size) for n in context) + 3
     inputs = build_step(prefix_lens, query_lens, block_size, num_blocks)
     num_heads = NUM_KV_HEADS * GROUP
     results = []
     shape = (NUM_KV_HEADS, num_blocks * block_size, head_dim)
-    k_pool, v_pool = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    k_pool = torch.randn(shape, dtype=pool_dtype or dtype)
+    v_pool = torch.randn(shape, dtype=pool_dtype or dtype)
     qkv = torch.randn(len(inputs.slot_mapping), num_heads + 2 * NUM_KV_HEADS, head_dim,
                       dtype=dtype)
     q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
@@ -54,8 +57,11 @@ def attend_both_ways(prefix_lens, query_lens, block_size, head_dim, dtype, windo
     for kernels in (KERNELS, None):
         backend = TorchAttentionBackend(num_heads, NUM_KV_HEADS, head_dim, block_size,
                                         kernels=kernels)
-        ctx = StepContext(backend, backend.prepare(inputs), [k_pool.clone()], [v_pool.clone()])
+        pools = [k_pool.clone()], [v_pool.clone()]
+        ctx = StepContext(backend, backend.prepare(inputs), *pools)
         results.append(ctx.attend(0, q, k, v, window))
+        if pools_out is not None:
+            pools_out.append(pools)
     return results
 
 
@@ -82,6 +88,25 @@ def test_rows_match_the_torch_path(rows, window, head_dim, block_size, dtype) ->
                                  window)
     assert fast.dtype == dtype and fast.shape == ref.shape
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCES[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "w5"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_pools_under_float32(rows, window) -> None:
+    """`--kv-cache-dtype bfloat16`: float32 q and output, bfloat16 pools. The kernels widen
+    the pool as they read it and must agree with the torch path, which stores each new
+    key and value rounded to bfloat16 and gathers the pools back to float32; both store
+    the same rounded values, bit for bit."""
+    prefix_lens, query_lens = ROWS[rows]
+    pools: list = []
+    fast, ref = attend_both_ways(prefix_lens, query_lens, 16, 64, torch.float32, window,
+                                 pool_dtype=torch.bfloat16, pools_out=pools)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, **TOLERANCES[torch.float32])
+    (k_fast, v_fast), (k_ref, v_ref) = pools
+    assert k_fast[0].dtype == torch.bfloat16
+    assert torch.equal(k_fast[0], k_ref[0]) and torch.equal(v_fast[0], v_ref[0])
 
 
 @needs_kernels

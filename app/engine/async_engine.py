@@ -107,7 +107,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.metrics = Metrics(model_name, core.max_model_len)
         self.metrics.block_report = core.block_report
-        self.metrics.set_static(cache_config_info(core.config.cache, core.kv_plan, core.dtype),
+        self.metrics.set_static(cache_config_info(core.config.cache, core.kv_plan, core.kv_dtype),
                                 core.peaks)
         self.roofline = RooflineTracker(core.peaks)
         self.stats = StatsLogger(log_stats_interval, core.peaks)

@@ -93,6 +93,7 @@ class EngineCore:
         self.kv_plan = runner.plan
         self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
         self.dtype = str(runner.dtype).removeprefix("torch.")
+        self.kv_dtype = str(runner.kv_dtype).removeprefix("torch.")  # --kv-cache-dtype
         cache = self.config.cache
         self.blocks = BlockManager(self.kv_plan.num_blocks, cache.block_size,
                                    cache.enable_prefix_caching)

@@ -109,7 +109,7 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     (plus a measurement of this machine's peaks when asked)."""
     import torch
 
-    from gpu.runner import DTYPES, choose_dtype, resolve_device
+    from gpu.runner import DTYPES, choose_dtype, resolve_device, resolve_kv_dtype
     from models.resolve import resolve_model
 
     notes = []
@@ -129,16 +129,19 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = resolve_max_model_len(model_config, config.max_model_len)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+    kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
     cost = ModelCost.from_config(model_config, dtype_bytes)
     cache = config.cache
     plan = plan_kv_cache(
-        bytes_per_token=model_config.kv_bytes_per_token(dtype_bytes),
+        bytes_per_token=model_config.kv_bytes_per_token(kv_dtype_bytes),
         block_size=cache.block_size, max_model_len=max_model_len,
         weights_bytes=cost.weights_bytes, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=cache.num_blocks, total_device_bytes=total,
         gpu_memory_utilization=cache.gpu_memory_utilization,
         sliding_window=model_config.uniform_window)
-    cost = ModelCost.from_config(model_config, dtype_bytes, plan.sliding_window)
+    cost = ModelCost.from_config(model_config, dtype_bytes, plan.sliding_window,
+                                 kv_dtype_bytes=kv_dtype_bytes)
     if measure_peaks and peaks is None:
         if device_memory is not None:
             raise ValueError("--measure-peaks measures this machine: it cannot be combined "

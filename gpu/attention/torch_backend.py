@@ -148,8 +148,9 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             if rotary is not None:  # a dtype the kernel does not take
                 q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            # A bfloat16 pool under float32 (--kv-cache-dtype) rounds each value here.
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
         out = None if len(meta.groups) == 1 and meta.groups[0].identity else torch.empty_like(q)
         by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)
@@ -167,7 +168,8 @@ class TorchAttentionBackend(AttentionBackend):
                 shape = (self.num_kv_heads, g.num_seqs, g.max_context_len, self.head_dim)
                 kg = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
                 vg = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
-                o = self._prefill(q[g.query_rows], kg, vg, g.allowed_in(sliding_window))
+                o = self._prefill(q[g.query_rows], kg.to(q.dtype), vg.to(q.dtype),
+                                  g.allowed_in(sliding_window))
             if out is None:
                 return o.reshape(meta.num_tokens, self.num_heads, self.head_dim)
             out[g.out_rows] = o[g.valid]
@@ -182,8 +184,8 @@ class TorchAttentionBackend(AttentionBackend):
                 self.scale, window or 0).unsqueeze(1)
         shape = (self.num_kv_heads, g.num_seqs, g.max_context_len, self.head_dim)
         by_block = (self.num_kv_heads, -1, self.block_size * self.head_dim)
-        k = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape)
-        v = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape)
+        k = torch.index_select(k_cache.view(by_block), 1, g.key_blocks).view(shape).to(q.dtype)
+        v = torch.index_select(v_cache.view(by_block), 1, g.key_blocks).view(shape).to(q.dtype)
         kvh, b, length, d = k.shape
         group = self.num_heads // kvh
         qg = q.view(b, kvh, group, d).transpose(0, 1).reshape(kvh * b, group, d)

@@ -122,7 +122,9 @@ void scores_pass(const float* q, const T* k, const int32_t* table, int64_t first
   });
 }
 
-template <typename T>
+// T: q and the output; KV: the pools (float32 pools for float32 q, or bfloat16 pools for
+// either: `--kv-cache-dtype bfloat16` keeps a float32 model's cache in half the bytes).
+template <typename T, typename KV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
             double scale, int64_t window, at::Tensor& out) {
@@ -132,8 +134,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const int64_t table_row = block_tables.stride(0);
   const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k_cache.const_data_ptr<T>();
-  const T* v_ptr = v_cache.const_data_ptr<T>();
+  const KV* k_ptr = k_cache.const_data_ptr<KV>();
+  const KV* v_ptr = v_cache.const_data_ptr<KV>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = context_lens.const_data_ptr<int32_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
@@ -157,8 +159,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       scores.resize(G * len);
       const int32_t* table = tables + b * table_row;
-      const T* k_head = k_ptr + h * num_slots * D;
-      const T* v_head = v_ptr + h * num_slots * D;
+      const KV* k_head = k_ptr + h * num_slots * D;
+      const KV* v_head = v_ptr + h * num_slots * D;
       scores_pass(qf.data(), k_head, table, first, n, block_size, G, D, scores.data(), len);
       // The first value run arrives while the softmax runs (for_each_run fetches the rest).
       const int64_t first_slot = static_cast<int64_t>(table[first / block_size]) * block_size;
@@ -184,9 +186,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
               "k/v pools must be contiguous [kv_heads, slots, head_dim] of one shape");
   TORCH_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the pool differ");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "num_heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the pools must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "the pools must share q's dtype, or be bfloat16 for float32 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
@@ -194,12 +197,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                   context_lens.numel() == q.size(0),
               "one block-table row and one context length per query row");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.scalar_type() == at::kFloat) {
-    decode<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window,
-                  out);
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat) {
+    decode<float, float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                         window, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    decode<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                                 scale, window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                          window, out);
+    decode<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens,
+                                         block_size, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged_decode takes float32 or bfloat16, got ", q.scalar_type());
   }

@@ -147,7 +147,8 @@ void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const 
 #endif
 }
 
-template <typename T>
+// T: q and out; KV: the pools (bfloat16 under float32 q with `--kv-cache-dtype bfloat16`).
+template <typename T, typename KV>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& query_starts,
              const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
@@ -161,8 +162,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int64_t table_row = block_tables.stride(0);
   const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k_cache.const_data_ptr<T>();
-  const T* v_ptr = v_cache.const_data_ptr<T>();
+  const KV* k_ptr = k_cache.const_data_ptr<KV>();
+  const KV* v_ptr = v_cache.const_data_ptr<KV>();
   T* out_ptr = out.mutable_data_ptr<T>();
 
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first new token)
@@ -226,9 +227,11 @@ void paged_prefill_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
               "k/v pools must be contiguous [kv_heads, slots, head_dim] of one shape");
   TORCH_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the pool differ");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "num_heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() && q.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "q, out and the pools must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q, out and the pools must share a dtype, or the pools be bfloat16 for float32 q");
   for (const at::Tensor* t : {&query_starts, &query_lens, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() &&
                     t->numel() == query_starts.numel(),
@@ -244,12 +247,16 @@ void paged_prefill_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
                     starts[b] + qlens[b] <= q.size(0) &&
                     (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
                 "sequence ", b, ": its new tokens, context or block table are out of range");
-  if (q.scalar_type() == at::kFloat) {
-    prefill<float>(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
-                   block_size, scale, window, out);
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat) {
+    prefill<float, float>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                          context_lens, block_size, scale, window, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    prefill<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                                  context_lens, block_size, scale, window, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    prefill<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
-                           context_lens, block_size, scale, window, out);
+    prefill<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, query_starts,
+                                          query_lens, context_lens, block_size, scale, window,
+                                          out);
   } else {
     TORCH_CHECK(false, "paged_prefill_ takes float32 or bfloat16, got ", q.scalar_type());
   }

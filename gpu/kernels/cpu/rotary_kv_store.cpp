@@ -15,8 +15,10 @@
 //
 // Layout: q [T, H, D], k and v [T, KVH, D] (any token/head strides, dims contiguous);
 // cos, sin [T, rot] (or [T, 1, rot]); pools [KVH, slots, D]; slot_mapping [T] int64.
+// The pools share q's dtype, or are bfloat16 under float32 q (`--kv-cache-dtype
+// bfloat16`): k is rotated in float32 and each value then rounded to bfloat16 (to nearest
+// even), as the torch path's store does.
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -24,29 +26,41 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// n values into the pool: a copy, or each rounded to the pool's bfloat16.
+template <typename T, typename KV>
+inline void store(const T* src, KV* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, KV>) {
+    std::memcpy(dst, src, sizeof(T) * n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = KV(widen(src[i]));
+  }
+}
+
 // One head rotated from `src` into `dst` (they may be the same row: each pair is read
-// before either half is written).
-template <typename T>
-inline void rotate(const T* src, T* dst, const T* cos, const T* sin, int64_t rot, int64_t dim) {
+// before either half is written), computed in T and stored as KV.
+template <typename T, typename KV>
+inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t rot,
+                   int64_t dim) {
   const int64_t half = rot / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = widen(src[i]), b = widen(src[i + half]);
     const T lo = T(widen(T(a * widen(cos[i]))) + widen(T(-b * widen(sin[i]))));
     const T hi = T(widen(T(b * widen(cos[i + half]))) + widen(T(a * widen(sin[i + half]))));
-    dst[i] = lo;
-    dst[i + half] = hi;
+    dst[i] = KV(widen(lo));
+    dst[i + half] = KV(widen(hi));
   }
-  if (dst != src)
-    std::memcpy(dst + rot, src + rot, sizeof(T) * (dim - rot));
+  if (static_cast<const void*>(dst) != static_cast<const void*>(src))
+    store(src + rot, dst + rot, dim - rot);
 }
 
-template <typename T>
+template <typename T, typename KV>
 void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
          const at::Tensor& slots) {
@@ -57,8 +71,8 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
   const T* vp = v.const_data_ptr<T>();
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = sin.const_data_ptr<T>();
-  T* kc = k_cache.mutable_data_ptr<T>();
-  T* vc = v_cache.mutable_data_ptr<T>();
+  KV* kc = k_cache.mutable_data_ptr<KV>();
+  KV* vc = v_cache.mutable_data_ptr<KV>();
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
   // Parallel only for long prefills (~1M elements a task): see decoder_ops.cpp's grain.
@@ -75,7 +89,7 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t dst = (h * num_slots + at) * dim;
         rotate(kp + t * k.stride(0) + h * k.stride(1), kc + dst, c, s, rot, dim);
-        std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), sizeof(T) * dim);
+        store(vp + t * v.stride(0) + h * v.stride(1), vc + dst, dim);
       }
     }
   });
@@ -102,17 +116,22 @@ void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   slot_mapping.numel() == q.size(0),
               "slot_mapping must be int64 [T]");
   const auto dtype = q.scalar_type();
+  const auto pool = k_cache.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
                   cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
-                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "q, k, v, cos, sin and the pools must share a dtype");
-  AT_DISPATCH_SWITCH(dtype, "rotary_kv_store_",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        run<float>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        run<c10::BFloat16>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-      }));
+                  v_cache.scalar_type() == pool &&
+                  (pool == dtype || (dtype == at::kFloat && pool == at::kBFloat16)),
+              "q, k, v, cos and sin must share a dtype, and the pools it or bfloat16 under "
+              "float32");
+  if (dtype == at::kFloat && pool == at::kFloat) {
+    run<float, float>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+  } else if (dtype == at::kFloat) {
+    run<float, c10::BFloat16>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+  } else if (dtype == at::kBFloat16) {
+    run<c10::BFloat16, c10::BFloat16>(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+  } else {
+    TORCH_CHECK(false, "rotary_kv_store_ takes float32 or bfloat16, got ", dtype);
+  }
 }
 
 }  // namespace
