@@ -137,7 +137,8 @@ class EngineConfig:
                                 "SmolLM2-135M-Instruct)")
     served_model_name: str | None = setting(None, "the model name clients use and metrics "
                                             "carry (default: the model's name)")
-    dtype: str = setting("auto", "weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    dtype: str = setting("auto", "weights dtype, and the KV cache's unless --kv-cache-dtype says "
+                         "otherwise (auto: bfloat16 on CUDA, float32 on CPU)",
                          choices=DTYPES)
     device: str = setting("auto", "cpu, cuda, cuda:1, ... (auto: CUDA when there is one)")
     seed: int = setting(0, "seed of the generator shared by unseeded requests")

@@ -22,7 +22,7 @@ With `int8_activations` (opt-in) every call of a quantized layer, any number of 
 goes to the int8 kernels instead (`quant_linear_int8.cpp`): x is quantized per block of
 32 as llama.cpp does, and the products run on AVX512-VNNI, 0.5-0.6x the exact kernel's
 time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes. Not exact: tokens can
-differ from an fp32 run's (docs/gpu.md measures by how much).
+differ from an fp32 run's (docs/benchmarks.md, session 10, measures by how much).
 
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
@@ -184,7 +184,8 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     a GGUF's blocks by HF name, used with the C++ `kernels` where they fit, with int8
     activations when asked (the caller checks `int8_unavailable` first).
 
-    Returns the bytes the packed copies add to the weights."""
+    Returns the bytes the packed copies add to the weights (negative where blocks alone
+    replace fp32 weights, with int8 activations)."""
     if not _packing_available():
         return 0
     if kernels is not None and not hasattr(kernels, "q4_1_linear"):
