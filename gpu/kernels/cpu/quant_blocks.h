@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -157,24 +158,14 @@ inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
   m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
 }
 
-// Dispatch on a row count (1..kTile) so each micro-kernel's loops have constant bounds
-// (fully unrolled, accumulators in registers).
-template <typename Fn>
+// Dispatch on a row count (1..Max; more take Max) so each micro-kernel's loops have
+// constant bounds (fully unrolled, accumulators in registers).
+template <int Max = static_cast<int>(kTile), typename Fn>
 inline void with_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 9: fn(std::integral_constant<int, 9>{}); break;
-    case 10: fn(std::integral_constant<int, 10>{}); break;
-    case 11: fn(std::integral_constant<int, 11>{}); break;
-    default: fn(std::integral_constant<int, 12>{}); break;
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_rows<Max - 1>(rows, std::forward<Fn>(fn));
   }
+  fn(std::integral_constant<int, Max>{});
 }
 #endif
 

@@ -54,7 +54,7 @@ namespace {
 using namespace quant;
 
 constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
-constexpr int64_t kPerBlockMaxRows = 4;  // scales applied per block, not per weight, up to here
+constexpr int kPerBlockMaxRows = 4;  // scales applied per block, not per weight, up to here
 constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
 
 #ifdef __AVX512F__
@@ -149,16 +149,6 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
   store_rows<R>(acc, out, os, m0, m1);
 }
 
-template <typename Fn>
-inline void with_few_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
-  }
-}
-static_assert(kPerBlockMaxRows == 4, "with_few_rows dispatches up to 4 rows");
 #endif
 
 template <typename W>
@@ -184,7 +174,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
-        with_few_rows(M, [&](auto T) {
+        with_rows<kPerBlockMaxRows>(M, [&](auto T) {
           tile_per_block<decltype(T)::value>(w, p, x_ptr, xs, x_sums.data(), blocks,
                                              out_ptr + p * kPanel, N, cols);
         });

@@ -202,8 +202,7 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
         for (int half = 0; half < 2 && masks[half]; ++half)
           for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
             with_rows(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
-              tile(std::integral_constant<int, decltype(T)::value>{}, w, p, half, x, r0,
-                   out + r0 * N + p * kPanel, N, masks[half]);
+              tile(T, w, p, half, x, r0, out + r0 * N + p * kPanel, N, masks[half]);
             });
       }
     });
