@@ -11,12 +11,12 @@ it does not. Measured per layer shape (SmolLM2, docs/benchmarks.md):
   checkpoint's weights, and on CPU the KV pool has its own fixed size).
 
 Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): in fp32,
-calls of up to `QUANTIZED_MAX_ROWS` rows (by format) read the blocks through the C++ kernel
-(`gpu/kernels/cpu/quant_linear.cpp`, in its panel layout: `PanelBlocks`) instead of
-the plain weight, which is then not kept. Decode streams every weight once per step,
-so the bytes read are much of the step's cost: ~110 MB of blocks instead of 540 MB for
-SmolLM2. The blocks' values are the fp32 weights' bit for bit; only the summation
-order differs.
+calls of up to `QUANTIZED_MAX_ROWS` rows (by format and vector width) read the blocks
+through the C++ kernel (`gpu/kernels/cpu/quant_linear.cpp`, in its panel layout:
+`PanelBlocks`) instead of the plain weight, which is then not kept. Decode streams every
+weight once per step, so the bytes read are much of the step's cost: ~110 MB of blocks
+instead of 540 MB for SmolLM2. The blocks' values are the fp32 weights' bit for bit; only
+the summation order differs.
 
 With `int8_activations` (opt-in) every call of a quantized layer, any number of rows,
 goes to the int8 kernels instead (`quant_linear_int8.cpp`): x is quantized per block of
@@ -45,7 +45,11 @@ log = logging.getLogger("ridgeline.cpu_linear")
 
 PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # fp32: up to this many rows run faster on the quantized blocks than on oneDNN's packed
-# fp32 weight. Timed alone (benchmarks/cpu_quant_linear_ab.py: 30 copies of each SmolLM2
+# fp32 weight, by the vector width the kernels were built with (`vector_width`: float
+# lanes). Portable builds (1) never take the blocks: their plain loops are slower than
+# oneDNN at any row count (a one-row step 1.3x the packed weights' time, measured).
+#
+# AVX-512 (16): timed alone (benchmarks/cpu_quant_linear_ab.py: 30 copies of each SmolLM2
 # layer shape, 2 threads) the four Q4_1 shapes together take 0.72x the packed time at 64
 # rows, 0.88x at 128, 0.93x at 144, 0.98x at 192, 1.0x at 256 (the K = 1536 down
 # projection alone crosses at ~144). Inside whole steps, where the packed weights stream
@@ -53,7 +57,17 @@ PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # 16 decodes is 0.88x or 0.95x with the blocks up to 160 rows instead of 64, and 48-64
 # row decode steps 0.84x. The Q8_0 LM head, alone with the caches flushed between calls
 # as in a step: 0.67x at 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
-QUANTIZED_MAX_ROWS = {"q4_1": 192, "q8_0": 48}
+#
+# AVX2 (8; Zen 3, two cores): the four Q4_1 shapes 0.19-0.20x the packed time at 1 row,
+# 0.32-0.36x at 4, 0.64-0.74x at 16, 0.81-1.07x at 64 (0.94x together), 1.01-1.18x at
+# 128; the Q8_0 head 0.42x at 1 row, 0.59x at 4, 1.14x at 8.
+QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 6}}
+
+
+def quantized_max_rows(kernels) -> dict[str, int] | None:
+    """Rows per format up to which the kernels' blocks beat oneDNN (None: never)."""
+    width = kernels.vector_width() if hasattr(kernels, "vector_width") else 1
+    return QUANTIZED_MAX_ROWS.get(width)
 
 
 PANEL = 32  # output rows per panel of the kernels' layout
@@ -122,7 +136,8 @@ class PackedLinear(nn.Module):
         self._quantized_op = (getattr(kernels, f"{quantized.format}_linear{suffix}")
                               if self.quantized is not None else None)
         self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
-                                   if int8_activations else QUANTIZED_MAX_ROWS[quantized.format])
+                                   if int8_activations
+                                   else quantized_max_rows(kernels)[quantized.format])
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
@@ -188,13 +203,19 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     replace fp32 weights, with int8 activations)."""
     if not _packing_available():
         return 0
-    if kernels is not None and not hasattr(kernels, "q4_1_linear"):
-        kernels = None
+    if kernels is not None and (not hasattr(kernels, "q4_1_linear")
+                                or quantized_max_rows(kernels) is None):
+        kernels = None  # no blocks: oneDNN's packed weights for every call
     sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
     count, extra, used = 0, 0, 0
 
+    # oneDNN packs bf16 only where the CPU multiplies it (AVX512-BF16, AMX, AVX-NE-CONVERT);
+    # elsewhere (AVX2) the reorder raises, and bf16 layers stay plain torch.
+    dtypes = ((torch.bfloat16, torch.float32) if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+              else (torch.float32,))
+
     def packable(w: torch.Tensor) -> bool:
-        return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
+        return w.dtype in dtypes and w.device.type == "cpu"
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear:
         nonlocal count, extra, used

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu_linear import QUANTIZED_MAX_ROWS, PackedLinear, pack_linears
+from gpu.cpu_linear import PackedLinear, pack_linears, quantized_max_rows
 from gpu.kernels.cpu.build import cpu_kernels
 from models import gguf_blocks
 from models.config import ModelConfig
@@ -22,8 +22,9 @@ from models.decoder import DecoderForCausalLM
 from models.weights import iter_safetensors
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
-needs_kernels = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "q4_1_linear"),
-                                   reason="C++ CPU kernels not built here")
+needs_kernels = pytest.mark.skipif(
+    KERNELS is None or quantized_max_rows(KERNELS) is None,
+    reason="C++ CPU kernels not built here, or without vector paths (no blocks then)")
 
 
 def dequantize(q: gguf_blocks.QuantizedWeight) -> torch.Tensor:
@@ -81,8 +82,9 @@ def test_model_reads_blocks_for_few_rows_and_agrees(smollm2_dir):
     assert model.layers[0].self_attn.qkv_proj.quantized.out_features == 576 + 2 * 192
     assert extra > 0
     ctx = _Context()
-    most = QUANTIZED_MAX_ROWS["q4_1"]
-    for rows in (1, 5, 49, most, most + 1):  # blocks (the head: packed from 49), then packed
+    most = quantized_max_rows(KERNELS)  # by the vector width the kernels were built for
+    for rows in (1, 5, most["q8_0"] + 1, most["q4_1"], most["q4_1"] + 1):  # blocks, the
+        # head packed from its threshold on, then everything packed
         ids = torch.randint(0, 49152, (rows,))
         pos = torch.arange(rows)
         with torch.inference_mode():
@@ -125,8 +127,8 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     model = load_model(smollm2_dir)
     pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
     reads = quantized_reads(model)
-    assert (reads.layer_max_rows, reads.head_max_rows) == (QUANTIZED_MAX_ROWS["q4_1"],
-                                                           QUANTIZED_MAX_ROWS["q8_0"])
+    most = quantized_max_rows(KERNELS)
+    assert (reads.layer_max_rows, reads.head_max_rows) == (most["q4_1"], most["q8_0"])
     cfg = ModelConfig.from_dir(smollm2_dir)
     dense, blocks = ModelCost.from_config(cfg, 4), ModelCost.from_config(cfg, 4, blocks=reads)
     above = reads.layer_max_rows + 1  # past both thresholds: every weight read in fp32
@@ -138,5 +140,5 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     layers_saved = reads.layer_bytes - reads.layer_params * 4
     head_saved = reads.head_bytes - cfg.vocab_size * cfg.hidden_size * 4
     saved = [blocks.decode(rows, 100).bytes_read - dense.decode(rows, 100).bytes_read
-             for rows in (48, 64)]
-    assert saved == [layers_saved + head_saved, layers_saved]  # the head dense past 48
+             for rows in (most["q8_0"], most["q8_0"] + 1)]
+    assert saved == [layers_saved + head_saved, layers_saved]  # the head dense past its rows

@@ -60,6 +60,19 @@ def _digest() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+ISAS = {16: "AVX-512", 8: "AVX2"}
+
+
+def _loaded():
+    """The loaded ops, once their vector paths are logged: on a CPU without AVX2 only the
+    portable loops are built, and some of them lose to torch's own (gpu/cpu_linear.py)."""
+    ops = torch.ops.ridgeline_cpu
+    width = ops.vector_width()
+    log.info("C++ CPU kernels: %s", f"{ISAS[width]} ({width} float lanes)" if width in ISAS
+             else "portable loops only (this CPU has neither AVX-512 nor AVX2 with FMA)")
+    return ops
+
+
 @functools.cache
 def cpu_kernels() -> SimpleNamespace | None:
     """`torch.ops.ridgeline_cpu` once built and loaded, else None (reason logged once)."""
@@ -71,7 +84,7 @@ def cpu_kernels() -> SimpleNamespace | None:
         # build holds a lock file in the directory until the library is complete).
         if library.is_file() and not (build_dir / "lock").exists():
             torch.ops.load_library(str(library))
-            return torch.ops.ridgeline_cpu
+            return _loaded()
         from torch.utils import cpp_extension
 
         cpp_extension.verify_ninja_availability()
@@ -82,7 +95,7 @@ def cpu_kernels() -> SimpleNamespace | None:
             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False,
         )
-        return torch.ops.ridgeline_cpu
+        return _loaded()
     except Exception as exc:  # no compiler, no ninja, a failed build: keep plain torch
         log.warning("C++ CPU kernels unavailable, using the torch path: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc))

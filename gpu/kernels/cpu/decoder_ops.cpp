@@ -139,6 +139,19 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
           _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
         }
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, float>) {
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = _mm256_loadu_ps(g + i);
+          const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+          const __m256 minus_abs = _mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg);
+          const __m256 e = exp_nonpositive8(minus_abs);  // exp(-|x|)
+          const __m256 num = _mm256_blendv_ps(one, e, neg);  // x < 0: e, else 1
+          const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+      }
 #endif
       for (; i < inter; ++i) {
         const float x = widen(g[i]);

@@ -1,5 +1,6 @@
 // What the paged attention kernels share (paged_decode.cpp, paged_prefill.cpp): loads
-// that widen bf16, the block-table walk with its prefetch, and the p·v pass.
+// that widen bf16, the block-table walk with its prefetch, and the p·v pass (AVX-512 or
+// AVX2 paths, portable loops otherwise).
 //
 // Layout: k_cache/v_cache [num_kv_heads, num_slots, head_dim], slot = block *
 // block_size + offset; block tables are int32 rows of pool block ids.
@@ -10,7 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,12 +26,18 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
 #endif
 
 // Asks for `rows` rows of D values from `p` to be brought into L1 ahead of use.
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t rows, int64_t D) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   const char* bytes = reinterpret_cast<const char*>(p);
   const int64_t size = rows * D * static_cast<int64_t>(sizeof(T));
   for (int64_t o = 0; o < size; o += 64) _mm_prefetch(bytes + o, _MM_HINT_T0);
@@ -81,6 +88,29 @@ inline void values_tile(const float* probs, const T* rows, int64_t at, int64_t c
   for (int g = 0; g < GN; ++g)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2's 16 registers: GN x 32 dims, GN x 4 accumulators (at most 12).
+template <int GN, typename T>
+inline void values_tile8(const float* probs, const T* rows, int64_t at, int64_t count,
+                         int64_t g0, int64_t d0, int64_t D, float* acc, int64_t row_stride,
+                         int64_t key_stride) {
+  __m256 a[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_loadu_ps(acc + (g0 + g) * D + d0 + 8 * j);
+  for (int64_t t = 0; t < count; ++t) {
+    const T* r = rows + t * D + d0;
+    const __m256 v0 = load8(r), v1 = load8(r + 8), v2 = load8(r + 16), v3 = load8(r + 24);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_set1_ps(probs[(g0 + g) * row_stride + (at + t) * key_stride]);
+      a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(p, v2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(p, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + (g0 + g) * D + d0 + 8 * j, a[g][j]);
+}
 #endif
 
 // acc [G, D] = sum over the keys [first, n) of p * v (probabilities laid out as above).
@@ -119,6 +149,19 @@ void values_pass(const float* probs, const T* v, const int32_t* table, int64_t f
           for (int64_t t = 0; t < count; ++t)
             a = _mm512_fmadd_ps(_mm512_set1_ps(p[t * key_stride]), load16(rows + t * D + d), a);
           _mm512_storeu_ps(acc + g * D + d, a);
+        }
+      }
+      return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 32 == 0) {
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+          switch (std::min<int64_t>(3, G - g0)) {
+            case 3: values_tile8<3>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+            case 2: values_tile8<2>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+            default: values_tile8<1>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+          }
         }
       }
       return;

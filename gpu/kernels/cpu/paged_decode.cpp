@@ -36,7 +36,7 @@
 #include "paged.h"
 #include "reduce.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -66,6 +66,22 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
       sv = _mm512_add_ps(sv, e);
     }
     sum = _mm512_reduce_add_ps(sv);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const int64_t whole = len - len % 8;
+    if (whole > 0) {
+      __m256 mv = _mm256_loadu_ps(s);
+      for (t = 8; t < whole; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+      m = reduce_max8(mv);
+    }
+    for (t = whole; t < len; ++t) m = std::max(m, s[t]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t < whole; t += 8) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+      _mm256_storeu_ps(s + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    sum = reduce_add8(sv);
 #else
     for (t = 1; t < len; ++t) m = std::max(m, s[t]);
     t = 0;
@@ -106,6 +122,33 @@ void scores_pass(const float* q, const T* k, const int32_t* table, int64_t first
           for (int64_t d = 0; d < D; d += 16)
             a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(rows + t * D + d), a);
           out[t] = _mm512_reduce_add_ps(a);
+        }
+      }
+      return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float* out = scores + g * len + at;
+        int64_t t = 0;
+        for (; t + 4 <= count; t += 4) {  // four keys per q load
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          const T* r = rows + t * D;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qg + d);
+            a0 = _mm256_fmadd_ps(qv, load8(r + d), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(r + D + d), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(r + 2 * D + d), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(r + 3 * D + d), a3);
+          }
+          _mm_storeu_ps(out + t, reduce4(a0, a1, a2, a3));
+        }
+        for (; t < count; ++t) {
+          __m256 a = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(rows + t * D + d), a);
+          out[t] = reduce_add8(a);
         }
       }
       return;
@@ -214,8 +257,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 }  // namespace
 
+// float32 lanes of the vector paths this library was built with: 16 (AVX-512), 8 (AVX2 with
+// FMA) or 1 (portable loops only). Callers pick thresholds by it, and skip kernels whose
+// portable loops lose to torch's own (gpu/cpu_linear.py).
+int64_t vector_width() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 8;
+#else
+  return 1;
+#endif
+}
+
 TORCH_LIBRARY(ridgeline_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, int window) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.def("vector_width() -> int", &vector_width);
 }

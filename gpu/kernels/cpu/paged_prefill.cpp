@@ -42,7 +42,7 @@
 #include "fast_exp.h"
 #include "paged.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -86,6 +86,27 @@ inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float*
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2: NK keys x 16 rows (two 8-lane vectors) at a time, 2 NK accumulators.
+template <int NK, typename T>
+inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float* s) {
+  for (int64_t v0 = 0; v0 < R; v0 += 16) {  // R is a multiple of 16
+    __m256 acc[NK][2];
+    for (int kk = 0; kk < NK; ++kk) acc[kk][0] = acc[kk][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 q0 = _mm256_loadu_ps(qt + d * R + v0), q1 = _mm256_loadu_ps(qt + d * R + v0 + 8);
+      for (int kk = 0; kk < NK; ++kk) {
+        const __m256 kd = _mm256_set1_ps(to_float(k[kk * D + d]));
+        acc[kk][0] = _mm256_fmadd_ps(kd, q0, acc[kk][0]);
+        acc[kk][1] = _mm256_fmadd_ps(kd, q1, acc[kk][1]);
+      }
+    }
+    for (int kk = 0; kk < NK; ++kk) {
+      _mm256_storeu_ps(s + kk * R + v0, acc[kk][0]);
+      _mm256_storeu_ps(s + kk * R + v0 + 8, acc[kk][1]);
+    }
+  }
+}
 #endif
 
 // s[key][row] for the keys [first, n): q·k for every row of the tile.
@@ -95,7 +116,7 @@ void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, i
   for_each_run(k, D, table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
     const T* rows = k + slot * D;
     int64_t t = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     for (; t + 4 <= count; t += 4) score_keys<4>(qt, R, rows + t * D, D, s + (at + t) * R);
     for (; t < count; ++t) score_keys<1>(qt, R, rows + t * D, D, s + (at + t) * R);
 #endif
@@ -132,6 +153,27 @@ void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const 
       sum = _mm512_add_ps(sum, e);
     }
     _mm512_storeu_ps(sums + v * 16, sum);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int64_t v = 0; v < R / 8; ++v) {
+    const __m256i lo_v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + v * 8));
+    const __m256i hi_v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + v * 8));
+    auto visible = [&](int64_t t) {  // lo <= t < hi, as all-ones lanes
+      const __m256i tv = _mm256_set1_epi32(static_cast<int32_t>(t));
+      return _mm256_castsi256_ps(
+          _mm256_andnot_si256(_mm256_cmpgt_epi32(lo_v, tv), _mm256_cmpgt_epi32(hi_v, tv)));
+    };
+    __m256 m = _mm256_set1_ps(neg_inf), sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t)
+      m = _mm256_blendv_ps(m, _mm256_max_ps(m, _mm256_loadu_ps(s + t * R + v * 8)), visible(t));
+    for (int64_t t = 0; t < len; ++t) {
+      float* p = s + t * R + v * 8;
+      const __m256 e = _mm256_and_ps(
+          visible(t), exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
+      _mm256_storeu_ps(p, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_storeu_ps(sums + v * 8, sum);
   }
 #else
   for (int64_t r = 0; r < R; ++r) {

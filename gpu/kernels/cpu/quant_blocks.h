@@ -1,6 +1,7 @@
 // The GGUF block formats the CPU quant kernels read (quant_linear.cpp): Q4_1 and Q8_0
 // weights repacked into panels, each able to give a weight (portable code) or, on
-// AVX-512, a block's 32 x 32 levels or weights in registers.
+// AVX-512, a block's 32 x 32 levels or weights in registers (on AVX2: 8 outputs of them,
+// one 8-lane register per k).
 //
 // Layout: panels of kPanel = 32 output rows (gpu/cpu_linear.py repacks the GGUF's row
 // order at load; N is padded to whole panels with zero blocks). Per panel p and block
@@ -30,7 +31,7 @@
 #include <type_traits>
 #include <utility>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -98,6 +99,30 @@ struct Q4_1 {
     acc0 = _mm512_fmadd_ps(bl.m0, xs, _mm512_fmadd_ps(bl.d0, qx0, acc0));
     acc1 = _mm512_fmadd_ps(bl.m1, xs, _mm512_fmadd_ps(bl.d1, qx1, acc1));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Eight outputs of a block at a time: group g (outputs 8g .. 8g+7) of panel p, block b.
+  // `at` is the block's first scale, `q` its first level byte (see `at` and `levels_at`).
+  inline int64_t at(int64_t p, int64_t b) const { return (p * (K / kBlock) + b) * kPanel; }
+  inline const uint8_t* levels_at(int64_t p, int64_t b) const { return qs + at(p, b) * 16; }
+  // The levels q of weights k = j (lo) and k = j + 16 (hi) of outputs 8g .. 8g+7.
+  static inline void levels8(const uint8_t* q, int j, int g, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * kPanel + 8 * g)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  // The weights themselves, d * q + m (one FMA: d * q is exact, see above).
+  inline void widen8(const uint8_t* q, int64_t at, int j, int g, __m256& lo, __m256& hi) const {
+    levels8(q, j, g, lo, hi);
+    const __m256 dv = _mm256_loadu_ps(d + at + 8 * g), mv = _mm256_loadu_ps(m + at + 8 * g);
+    lo = _mm256_fmadd_ps(lo, dv, mv);
+    hi = _mm256_fmadd_ps(hi, dv, mv);
+  }
+  // acc + d * (the block's sum of q * x) + m * (the block's sum of x), outputs of group g.
+  inline __m256 add_block8(int64_t at, int g, __m256 qx, float x_sum, __m256 acc) const {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(d + at + 8 * g), qx, acc);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(m + at + 8 * g), _mm256_set1_ps(x_sum), acc);
+  }
 #endif
 };
 
@@ -146,6 +171,26 @@ struct Q8_0 {
     acc0 = _mm512_fmadd_ps(bl.d0, qx0, acc0);
     acc1 = _mm512_fmadd_ps(bl.d1, qx1, acc1);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  inline int64_t at(int64_t p, int64_t b) const { return (p * (K / kBlock) + b) * kPanel; }
+  inline const int8_t* levels_at(int64_t p, int64_t b) const { return qs + at(p, b) * kBlock; }
+  static inline __m256 level8(const int8_t* q) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  }
+  static inline void levels8(const int8_t* q, int j, int g, __m256& lo, __m256& hi) {
+    lo = level8(q + j * kPanel + 8 * g);
+    hi = level8(q + (j + 16) * kPanel + 8 * g);
+  }
+  inline void widen8(const int8_t* q, int64_t at, int j, int g, __m256& lo, __m256& hi) const {
+    levels8(q, j, g, lo, hi);
+    const __m256 dv = _mm256_loadu_ps(d + at + 8 * g);
+    lo = _mm256_mul_ps(lo, dv);
+    hi = _mm256_mul_ps(hi, dv);
+  }
+  inline __m256 add_block8(int64_t at, int g, __m256 qx, float /*x_sum*/, __m256 acc) const {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(d + at + 8 * g), qx, acc);
+  }
 #endif
 };
 
@@ -157,6 +202,12 @@ inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
   m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 registers of 8 lanes: 6 rows x 16 outputs of accumulators, as BLAS's AVX2 kernels.
+constexpr int64_t kTile = 6;
+#else
+constexpr int64_t kTile = 1;  // portable code: no micro-kernels
+#endif
 
 // Dispatch on a row count (1..Max; more take Max) so each micro-kernel's loops have
 // constant bounds (fully unrolled, accumulators in registers).
@@ -167,6 +218,5 @@ inline void with_rows(int64_t rows, Fn&& fn) {
   }
   fn(std::integral_constant<int, Max>{});
 }
-#endif
 
 }  // namespace quant
