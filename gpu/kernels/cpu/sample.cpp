@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "reduce.h"
 
 #include <algorithm>
 #include <cmath>
@@ -64,6 +65,10 @@ void weigh(const float* logits, int64_t V, float temperature, float* w) {
   __m512 mx = _mm512_set1_ps(m);
   for (; v + 16 <= V; v += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(logits + v));
   m = _mm512_reduce_max_ps(mx);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 mx = _mm256_set1_ps(m);
+  for (; v + 8 <= V; v += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(logits + v));
+  m = reduce_max8(mx);
 #endif
   for (; v < V; ++v) m = std::max(m, logits[v]);
   const float inv = 1.0f / temperature;
@@ -74,6 +79,13 @@ void weigh(const float* logits, int64_t V, float temperature, float* w) {
     const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + v), mv), iv);
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kLowest), _CMP_GE_OQ);
     _mm512_storeu_ps(w + v, _mm512_maskz_mov_ps(live, exp_nonpositive16(x)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(inv);
+  for (; v + 8 <= V; v += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + v), mv), iv);
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_GE_OQ);
+    _mm256_storeu_ps(w + v, _mm256_and_ps(live, exp_nonpositive8(x)));
   }
 #endif
   for (; v < V; ++v) {
@@ -99,6 +111,33 @@ double sum_weights(const float* w, int64_t V, std::vector<double>* sums) {
   return all;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 has no compress store: a table gives, per 8-bit lane mask, the chosen lanes'
+// indices first, and one permute moves them to the front. All 8 lanes are stored, so
+// the destination must have 8 writable floats (the callers' stores never pass their load).
+struct CompressTable {
+  alignas(32) int32_t lanes[256][8];
+  CompressTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int n = 0;
+      for (int l = 0; l < 8; ++l) {
+        if (mask >> l & 1) lanes[mask][n++] = l;
+      }
+      while (n < 8) lanes[mask][n++] = 0;
+    }
+  }
+};
+const CompressTable kCompress;
+
+inline void compress_store8(__m256 x, __m256i ids, int mask, float* to, int32_t* to_ids) {
+  const __m256i perm =
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.lanes[mask]));
+  _mm256_storeu_ps(to, _mm256_permutevar8x32_ps(x, perm));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to_ids),
+                      _mm256_permutevar8x32_epi32(ids, perm));
+}
+#endif
+
 // Every token of weight >= least into (vals, ids), in id order; returns how many.
 int64_t collect(const float* w, int64_t V, float least, float* vals, int32_t* ids) {
   int64_t n = 0, v = 0;
@@ -111,6 +150,16 @@ int64_t collect(const float* w, int64_t V, float least, float* vals, int32_t* id
     const __mmask16 in = _mm512_cmp_ps_mask(x, lv, _CMP_GE_OQ);
     _mm512_mask_compressstoreu_ps(vals + n, in, x);
     _mm512_mask_compressstoreu_epi32(ids + n, in, iv);
+    n += __builtin_popcount(in);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 lv = _mm256_set1_ps(least);
+  __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
+    const __m256 x = _mm256_loadu_ps(w + v);
+    const int in = _mm256_movemask_ps(_mm256_cmp_ps(x, lv, _CMP_GE_OQ));
+    if (in == 0) continue;  // most blocks of a row: nothing this heavy
+    compress_store8(x, iv, in, vals + n, ids + n);  // n <= v: stays inside the row
     n += __builtin_popcount(in);
   }
 #endif
@@ -189,6 +238,16 @@ int64_t keep_side(float* vals, int32_t* ids, int64_t n, int32_t t, bool above) {
     const __mmask16 in = above ? gt : static_cast<__mmask16>(~gt);
     _mm512_mask_compressstoreu_epi32(vals + kept, in, k);
     _mm512_mask_compressstoreu_epi32(ids + kept, in, i);
+    kept += __builtin_popcount(in);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i tv = _mm256_set1_epi32(t);
+  for (; j + 8 <= n; j += 8) {  // as above: kept <= j
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vals + j));
+    const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + j));
+    const int gt = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, tv)));
+    const int in = above ? gt : ~gt & 0xFF;
+    compress_store8(_mm256_castsi256_ps(k), i, in, vals + kept, ids + kept);
     kept += __builtin_popcount(in);
   }
 #endif
@@ -344,6 +403,30 @@ int64_t argmax_row(const float* x, int64_t V) {
   best = v == 0 ? 0 : _mm512_mask_reduce_min_epi32(holders, at);
   nan = unordered != 0;
   if (v == 0) m = -std::numeric_limits<float>::infinity();
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same on 8 lanes, blends for masks; the lanes' answers compared in scalar code.
+  __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
+  __m256i at = _mm256_setzero_si256(), iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
+    const __m256 y = _mm256_loadu_ps(x + v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    const __m256 larger = _mm256_cmp_ps(y, mx, _CMP_GT_OQ);
+    mx = _mm256_blendv_ps(mx, y, larger);
+    at = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(iv), larger));
+  }
+  if (v > 0) {
+    alignas(32) float lane_max[8];
+    alignas(32) int32_t lane_at[8];
+    _mm256_store_ps(lane_max, mx);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), at);
+    m = reduce_max8(mx);
+    best = v;
+    for (int l = 0; l < 8; ++l) {
+      if (lane_max[l] == m) best = std::min<int64_t>(best, lane_at[l]);
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+  }
 #endif
   for (; v < V; ++v) {
     nan |= std::isnan(x[v]);
