@@ -156,8 +156,9 @@ class EngineConfig:
         "blocks through a C++ kernel: the same weights in a sixth of the bytes")
     int8_activations: bool = setting(
         False, "on CPU, GGUF models in float32: quantize each matmul's input to int8 per "
-        "block of 32, as llama.cpp does, and multiply on AVX512-VNNI; the matmuls take "
-        "~0.55x the time from 16 rows up, but tokens can differ from an exact run's")
+        "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2); the "
+        "matmuls take ~0.55-0.7x the time from 16 rows up, but tokens can differ from an "
+        "exact run's")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,6 +1,6 @@
 """Paired A/B of SmolLM2's linear layers on CPU: fp32 `F.linear`, oneDNN-packed fp32, and
 the C++ kernels reading the GGUF-quantized weights (Q4_1 layers, Q8_0 LM head), and
-where the CPU has AVX512-VNNI the same blocks with x quantized to int8
+where the kernels have int8 paths (AVX512-VNNI or AVX2) the same blocks with x quantized to int8
 (`--int8-activations`), in one process, interleaved, so host noise hits all alike.
 
     python benchmarks/cpu_quant_linear_ab.py [--threads 2] [--reps 5] [--flush] [OUT.json]
@@ -42,7 +42,7 @@ SHAPES = {"qkv": (960, 576, "q4_1"), "o_proj": (576, 576, "q4_1"),
           "gate_up": (3072, 576, "q4_1"), "down": (576, 1536, "q4_1"),
           "lm_head": (49152, 576, "q8_0")}
 ROWS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
-VARIANTS = ("plain", "packed", "quant", "int8")  # int8: where the CPU has AVX512-VNNI
+VARIANTS = ("plain", "packed", "quant", "int8")  # int8: AVX512-VNNI or AVX2
 
 
 def random_weight(n: int, k: int, fmt: str):

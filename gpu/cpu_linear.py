@@ -20,8 +20,9 @@ the summation order differs.
 
 With `int8_activations` (opt-in) every call of a quantized layer, any number of rows,
 goes to the int8 kernels instead (`quant_linear_int8.cpp`): x is quantized per block of
-32 as llama.cpp does, and the products run on AVX512-VNNI, 0.5-0.6x the exact kernel's
-time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes. Not exact: tokens can
+32 as llama.cpp does, and the products run on bytes: AVX512-VNNI, 0.5-0.6x the exact
+kernel's time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes; AVX2
+(`int8_avx2.h`), 0.3-0.4x at 8 rows, 0.6-0.7x at 32-128. Not exact: tokens can
 differ from an fp32 run's (docs/benchmarks.md, session 10, measures by how much).
 
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
@@ -58,10 +59,11 @@ PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # row decode steps 0.84x. The Q8_0 LM head, alone with the caches flushed between calls
 # as in a step: 0.67x at 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
 #
-# AVX2 (8; Zen 3, two cores): the four Q4_1 shapes 0.19-0.20x the packed time at 1 row,
-# 0.32-0.36x at 4, 0.64-0.74x at 16, 0.81-1.07x at 64 (0.94x together), 1.01-1.18x at
-# 128; the Q8_0 head 0.42x at 1 row, 0.59x at 4, 1.14x at 8.
-QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 6}}
+# AVX2 (8; Zen 3, two cores), after the buffered path's accumulators stopped using
+# masked moves (microcoded on AMD): the four Q4_1 shapes 0.21-0.26x the packed time at 1
+# row, 0.30-0.33x at 4, 0.53-0.64x at 16, 0.68-0.87x at 64, 0.88-1.04x at 128; the Q8_0
+# head 0.51x at 1 row, 0.75x at 8, 0.82x at 16, 0.91x at 32, 1.04x at 64.
+QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}}
 
 
 def quantized_max_rows(kernels) -> dict[str, int] | None:
@@ -188,7 +190,7 @@ def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] |
     if not _packing_available() or kernels is None or not hasattr(kernels, "q4_1_linear_int8"):
         return "the C++ CPU kernels are not available (see the log above)"
     if not kernels.int8_linear_supported():
-        return "this CPU lacks AVX512-VNNI or AVX512-VBMI"
+        return "this CPU has neither AVX512-VNNI with AVX512-VBMI nor AVX2"
     return None
 
 

@@ -25,7 +25,8 @@ from tests.test_cpu_quant_kernels import (
 )
 
 needs_int8 = pytest.mark.skipif(KERNELS is None or not KERNELS.int8_linear_supported(),
-                                reason="C++ CPU kernels with AVX512-VNNI not built here")
+                                reason="C++ CPU kernels with int8 paths (AVX512-VNNI or AVX2) "
+                                "not built here")
 BLOCK = 32
 
 

@@ -1,5 +1,5 @@
 // x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0) with x quantized to int8: opt-in
-// (`--int8-activations`), for AVX512-VNNI CPUs.
+// (`--int8-activations`), for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones.
 //
 // Why: from ~8 rows up the exact kernels (quant_linear.cpp) are bound by their fp32
 // FMAs, 16 multiply-adds an instruction. VNNI's vpdpbusd does 64 byte products an
@@ -23,7 +23,8 @@
 // one gather serves two groups (low and high nibbles, both unsigned levels 0-15 as
 // vpdpbusd's unsigned operand). Q8_0's levels are signed, so there x is made unsigned
 // (q_x + 128) and 128 * sum(q_w), counted per block with the same instruction, is taken
-// off again. Per block and row the int32 sums are converted and scaled once.
+// off again. Per block and row the int32 sums are converted and scaled once. AVX2 (no
+// VNNI, no byte permutes across lanes) does the same in its own way: int8_avx2.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,7 +40,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define RIDGELINE_INT8 1
+#define RIDGELINE_INT8_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RIDGELINE_INT8 1
+#include "int8_avx2.h"
 #endif
 
 namespace {
@@ -72,6 +77,9 @@ Int8Rows quantize_rows(const at::Tensor& x) {
       const int64_t b = i / M, t = i % M;
       const float* v = src + t * xs + b * kBlock;
       int8_t* q = r.q.data() + i * kBlock;
+#ifndef RIDGELINE_INT8_AVX512
+      avx2::quantize_block(v, q, r.d[i], r.sum[i]);
+#else
       const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
@@ -83,9 +91,23 @@ Int8Rows quantize_rows(const at::Tensor& x) {
                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
       r.d[i] = d;
       r.sum[i] = sum;
+#endif
     }
   });
   return r;
+}
+
+#ifdef RIDGELINE_INT8_AVX512
+constexpr int kInt8Tile = static_cast<int>(kTile);
+
+// Whether half h (outputs 16h..16h+15) of a panel with `cols` outputs holds any.
+inline bool half_used(int half, int64_t cols) { return cols > 16 * half; }
+
+// Lanes of half h that exist when the panel has `cols` outputs.
+inline __mmask16 half_mask(int half, int64_t cols) {
+  __mmask16 masks[2];
+  column_masks(cols, masks[0], masks[1]);
+  return masks[half];
 }
 
 // vpermt2b indices: output lane n (of the half's 16), byte i <- row 4g + i of the
@@ -112,7 +134,8 @@ inline __m512i broadcast4(const int8_t* q) {
 // T rows of x (levels from row r0) against half `half` of Q4_1 panel p.
 template <int T>
 inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
-                      float* out, int64_t os, __mmask16 mask) {
+                      float* out, int64_t os, int64_t cols) {
+  const __mmask16 mask = half_mask(half, cols);
   const __m512i index = gather_index(half), nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];
@@ -149,7 +172,8 @@ inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Rows& x, int
 // signed bytes: the signed weights take the signed side, x goes as q_x + 128.
 template <int T>
 inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
-                      float* out, int64_t os, __mmask16 mask) {
+                      float* out, int64_t os, int64_t cols) {
+  const __mmask16 mask = half_mask(half, cols);
   const __m512i index = gather_index(half), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
                 ones = _mm512_set1_epi8(1);
   const int64_t blocks = w.K / kBlock;
@@ -180,6 +204,12 @@ inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Int8Rows& x, int
   }
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
+#else
+using avx2::half_used;
+using avx2::kInt8Tile;
+using avx2::tile_q4_1;
+using avx2::tile_q8_0;
+#endif
 
 // Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
 // tiles of equal size, at most kTile. Chunking keeps the rows' levels (K bytes a row)
@@ -193,16 +223,16 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
   const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
-    const int64_t rows = std::min(kRowChunk, M - c0), tiles = (rows + kTile - 1) / kTile,
+    const int64_t rows = std::min(kRowChunk, M - c0),
+                  tiles = (rows + kInt8Tile - 1) / kInt8Tile,
                   tile_rows = (rows + tiles - 1) / tiles;
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        __mmask16 masks[2];
-        column_masks(std::min(kPanel, N - p * kPanel), masks[0], masks[1]);
-        for (int half = 0; half < 2 && masks[half]; ++half)
+        const int64_t cols = std::min(kPanel, N - p * kPanel);
+        for (int half = 0; half < 2 && half_used(half, cols); ++half)
           for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
-            with_rows(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
-              tile(T, w, p, half, x, r0, out + r0 * N + p * kPanel, N, masks[half]);
+            with_rows<kInt8Tile>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
+              tile(T, w, p, half, x, r0, out + r0 * N + p * kPanel, N, cols);
             });
       }
     });
@@ -213,7 +243,8 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
 void check_int8(const at::Tensor& x, const at::Tensor& qweight, int64_t per_block,
                 const char* op) {
 #ifndef RIDGELINE_INT8
-  TORCH_CHECK(false, op, ": needs a CPU with AVX512-VNNI and AVX512-VBMI (this build has none)");
+  TORCH_CHECK(false, op, ": needs a CPU with AVX512-VNNI and AVX512-VBMI, or AVX2 (this build "
+              "has neither)");
 #endif
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be float32 [M, K] with contiguous rows, got ", x.scalar_type(), " ",

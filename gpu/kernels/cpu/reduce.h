@@ -22,7 +22,7 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifdef __AVX2__
 #include <immintrin.h>
 
 // The same for 8-lane registers (AVX2).
