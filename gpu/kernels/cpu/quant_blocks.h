@@ -39,6 +39,11 @@ namespace quant {
 
 constexpr int64_t kBlock = 32;  // weights per GGML block (Q4_1 and Q8_0 alike)
 constexpr int64_t kPanel = 32;  // output rows per panel: two 16-lane vectors
+// The exact kernels' paths (quant_linear.cpp says why): scales applied per block, not
+// per weight, up to kPerBlockMaxRows x rows; above, weights widened per chunk of kChunk
+// k into an L1 buffer (128 x 32 floats = 16 KB).
+constexpr int kPerBlockMaxRows = 4;
+constexpr int64_t kChunk = 128;
 
 // One Q4_1 weight matrix in panels. `weight` (portable) or `block` with `levels`,
 // `widen` and `add_block` (AVX-512).

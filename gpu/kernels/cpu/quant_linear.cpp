@@ -45,16 +45,16 @@
 
 #include "quant_blocks.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef __AVX512F__
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "quant_linear_avx2.h"
 #endif
 
 namespace {
 
 using namespace quant;
 
-constexpr int64_t kChunk = 128;         // k per buffered chunk: 128 x 32 floats = 16 KB
-constexpr int kPerBlockMaxRows = 4;  // scales applied per block, not per weight, up to here
 constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
 
 #ifdef __AVX512F__
@@ -149,95 +149,6 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
   store_rows<R>(acc, out, os, m0, m1);
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 (16 registers of 8 lanes, no masks): the same two paths, per-block scaling up to
-// kPerBlockMaxRows rows and the L1 buffer above, in 8-output groups; no direct path.
-
-// Lanes [0, n) of an 8-lane mask (n >= 8: all), for the last panel's partial groups.
-inline __m256i lanes8(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// Loads and stores of a tile's outputs: plain where all 8 lanes exist (every panel but
-// a last partial one), masked otherwise. AMD's masked moves are microcoded (on this
-// Zen 3 a masked load and store took 5-7x a plain pair), and the buffered path moves its
-// accumulators once per chunk of k: plain ones made its 32-64 row calls 0.8-0.9x.
-inline __m256 load_out8(const float* p, int64_t n) {
-  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(n));
-}
-inline void store_out8(float* p, int64_t n, __m256 v) {
-  if (n >= 8) _mm256_storeu_ps(p, v);
-  else if (n > 0) _mm256_maskstore_ps(p, lanes8(n), v);
-}
-
-// T x rows against C groups of 8 outputs (from group g0) of panel p, scales applied once
-// per block as in tile_per_block. Sums of q * x for k = j and k = j + 16 go to separate
-// registers: 2 T C independent FMA chains (one would wait on the FMA before it).
-template <int T, int C, typename W>
-inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64_t xs,
-                            const float* x_sums, int64_t ks, float* out, int64_t os,
-                            int64_t cols) {
-  __m256 acc[T][C];
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < w.K / kBlock; ++b) {
-    const auto* q = w.levels_at(p, b);
-    __m256 lo[T][C], hi[T][C];
-    for (int t = 0; t < T; ++t)
-      for (int c = 0; c < C; ++c) lo[t][c] = hi[t][c] = _mm256_setzero_ps();
-    for (int j = 0; j < 16; ++j) {
-      for (int c = 0; c < C; ++c) {
-        __m256 ql, qh;
-        W::levels8(q, j, g0 + c, ql, qh);
-        for (int t = 0; t < T; ++t) {
-          const float* xr = x + t * xs + b * kBlock + j;
-          lo[t][c] = _mm256_fmadd_ps(ql, _mm256_broadcast_ss(xr), lo[t][c]);
-          hi[t][c] = _mm256_fmadd_ps(qh, _mm256_broadcast_ss(xr + 16), hi[t][c]);
-        }
-      }
-    }
-    const int64_t at = w.at(p, b);
-    for (int t = 0; t < T; ++t)
-      for (int c = 0; c < C; ++c)
-        acc[t][c] = w.add_block8(at, g0 + c, _mm256_add_ps(lo[t][c], hi[t][c]),
-                                 x_sums[t * ks + b], acc[t][c]);
-  }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = 8 * (g0 + c);
-    if (n0 >= cols) break;
-    for (int t = 0; t < T; ++t) store_out8(out + t * os + n0, cols - n0, acc[t][c]);
-  }
-}
-
-// R x rows against kc widened k of a panel (wbuf: [kc][32]), 16 outputs at a time,
-// added to what `out` holds unless this is the first chunk (as tile_buffered).
-template <int R>
-inline void tile_buffered8(const float* wbuf, int64_t kc, const float* x, int64_t xs, float* out,
-                           int64_t os, int64_t cols, bool first) {
-  for (int64_t n0 = 0; n0 < cols; n0 += 16) {
-    const int64_t n = cols - n0;  // outputs left from n0
-    __m256 acc[R][2];
-    for (int t = 0; t < R; ++t) {
-      acc[t][0] = first ? _mm256_setzero_ps() : load_out8(out + t * os + n0, n);
-      acc[t][1] = first ? _mm256_setzero_ps() : load_out8(out + t * os + n0 + 8, n - 8);
-    }
-    for (int64_t k = 0; k < kc; ++k) {
-      const __m256 w0 = _mm256_loadu_ps(wbuf + k * kPanel + n0);
-      const __m256 w1 = _mm256_loadu_ps(wbuf + k * kPanel + n0 + 8);
-      for (int t = 0; t < R; ++t) {
-        const __m256 xv = _mm256_broadcast_ss(x + t * xs + k);
-        acc[t][0] = _mm256_fmadd_ps(w0, xv, acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(w1, xv, acc[t][1]);
-      }
-    }
-    for (int t = 0; t < R; ++t) {
-      store_out8(out + t * os + n0, n, acc[t][0]);
-      store_out8(out + t * os + n0 + 8, n - 8, acc[t][1]);
-    }
-  }
-}
-
 #endif
 
 template <typename W>
@@ -245,7 +156,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   const int64_t M = x.size(0), K = w.K, xs = x.stride(0);
   const float* x_ptr = x.const_data_ptr<float>();
   float* out_ptr = out.mutable_data_ptr<float>();
-  const int64_t panels = (N + kPanel - 1) / kPanel;
+  [[maybe_unused]] const int64_t panels = (N + kPanel - 1) / kPanel;
 #ifdef __AVX512F__
   // ~64k weights per task at least: below that a thread's start costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
@@ -314,60 +225,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
     }
   });
 #elif defined(__AVX2__) && defined(__FMA__)
-  const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
-  const int64_t blocks = K / kBlock;
-  if (M <= kPerBlockMaxRows) {
-    std::vector<float> x_sums(M * blocks);
-    for (int64_t t = 0; t < M; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) sum += x_ptr[t * xs + b * kBlock + j];
-        x_sums[t * blocks + b] = sum;
-      }
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t cols = std::min(kPanel, N - p * kPanel);
-        float* o = out_ptr + p * kPanel;
-        with_rows<kPerBlockMaxRows>(M, [&](auto T) {
-          constexpr int kT = decltype(T)::value;
-          constexpr int kC = kT == 1 ? 4 : kT == 2 ? 2 : 1;  // 3 T C registers at most 12
-          for (int g0 = 0; g0 < 4; g0 += kC)
-            tile_per_block8<kT, kC>(w, p, g0, x_ptr, xs, x_sums.data(), blocks, o, N, cols);
-        });
-      }
-    });
-    return;
-  }
-  const int64_t tiles = (M + kTile - 1) / kTile, tile = (M + tiles - 1) / tiles;
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    static thread_local std::vector<float> wbuf(kChunk * kPanel);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0);
-        for (int64_t b = k0 / kBlock; b < (k0 + kc) / kBlock; ++b) {
-          const auto* q = w.levels_at(p, b);
-          const int64_t at = w.at(p, b);
-          for (int j = 0; j < 16; ++j) {
-            float* row = wbuf.data() + (b * kBlock - k0 + j) * kPanel;
-            for (int g = 0; g < 4; ++g) {
-              __m256 lo, hi;
-              w.widen8(q, at, j, g, lo, hi);
-              _mm256_storeu_ps(row + 8 * g, lo);
-              _mm256_storeu_ps(row + 16 * kPanel + 8 * g, hi);
-            }
-          }
-        }
-        for (int64_t r0 = 0; r0 < M; r0 += tile) {
-          with_rows(std::min(tile, M - r0), [&](auto R) {
-            tile_buffered8<decltype(R)::value>(wbuf.data(), kc, x_ptr + r0 * xs + k0, xs,
-                                               out_ptr + r0 * N + p * kPanel, N, cols,
-                                               k0 == 0);
-          });
-        }
-      }
-    }
-  });
+  avx2::quant_linear(w, x_ptr, M, xs, N, out_ptr);
 #else
   // Portable: widen a panel into [K][32] floats, then plain loops.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
