@@ -153,10 +153,11 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
 
 template <typename W>
 void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
-  const int64_t M = x.size(0), K = w.K, xs = x.stride(0);
+  const int64_t M = x.size(0), xs = x.stride(0);
   const float* x_ptr = x.const_data_ptr<float>();
   float* out_ptr = out.mutable_data_ptr<float>();
-  [[maybe_unused]] const int64_t panels = (N + kPanel - 1) / kPanel;
+  // The AVX2 path (quant_linear_avx2.h) takes its own from w and N.
+  [[maybe_unused]] const int64_t K = w.K, panels = (N + kPanel - 1) / kPanel;
 #ifdef __AVX512F__
   // ~64k weights per task at least: below that a thread's start costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
