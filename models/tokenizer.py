@@ -1,6 +1,9 @@
 """The model's tokenizer and chat template, as transformers loads them from an HF directory.
 
-The template is the tokenizer's own (`chat_template` in tokenizer_config.json or a
+Where transformers would use the folder's tokenizer.json unchanged (its generic class,
+as our GGUF export writes it), `models/tokenizer_json.py` loads it without importing
+transformers (1.3-1.8 s of start-up); anywhere else transformers loads it. The
+template is the tokenizer's own (`chat_template` in tokenizer_config.json or a
 `chat_template.jinja` file beside it) unless `--chat-template` names a file or gives
 the template inline, as vLLM's flag does. The server needs plain token ids;
 transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`
@@ -13,23 +16,34 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import transformers
-from transformers import PreTrainedTokenizerBase
+from models.tokenizer_json import TokenizerJson
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    Tokenizer = PreTrainedTokenizerBase | TokenizerJson
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str],
-                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+                   chat_template: str | None = None) -> Tokenizer:
     """The fast (Rust) tokenizer saved in `model_dir`, with `chat_template` (a file's path
     or the Jinja text itself) replacing the tokenizer's own when given."""
-    tokenizer = _named_class(Path(model_dir))
-    if tokenizer is None:  # imported only here: ~0.5 s of every start otherwise
-        from transformers import AutoTokenizer as tokenizer
-    tokenizer = tokenizer.from_pretrained(str(model_dir))
+    tokenizer = TokenizerJson.load(Path(model_dir))
+    if tokenizer is None:
+        cls = _named_class(Path(model_dir))
+        if cls is None:  # imported only here: ~0.5 s of every start otherwise
+            from transformers import AutoTokenizer as cls
+        tokenizer = cls.from_pretrained(str(model_dir))
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def transformers_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerBase:
+    """transformers' own object, for libraries that take nothing else (xgrammar)."""
+    return tokenizer.hf() if isinstance(tokenizer, TokenizerJson) else tokenizer
 
 
 def _named_class(model_dir: Path) -> type[PreTrainedTokenizerBase] | None:
@@ -38,6 +52,9 @@ def _named_class(model_dir: Path) -> type[PreTrainedTokenizerBase] | None:
     AutoTokenizer would load the same class, but it first resolves the model's config,
     and in transformers 5 that imports the modeling stack (torch.distributed among it):
     1.5-3.5 s of a server's start, against 0.2 s for the class itself."""
+    import transformers
+    from transformers import PreTrainedTokenizerBase
+
     try:
         name = json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -66,7 +83,7 @@ def read_chat_template(value: str) -> str:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
@@ -75,7 +92,7 @@ def apply_chat_template(
 
     Extra keyword arguments (tools, documents, ...) go to the template unchanged.
     """
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and "chat_template" not in template_kwargs:
         raise ValueError("this model's tokenizer has no chat template; start the server "
                          "with --chat-template FILE")
     out = tokenizer.apply_chat_template(
@@ -101,7 +118,7 @@ class FastDecoder:
     `tokenizer.decode(ids, clean_up_tokenization_spaces=False)`.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: Tokenizer):
         self._slow = tokenizer
         self._rust = getattr(tokenizer, "backend_tokenizer", None)
 

@@ -43,7 +43,7 @@ def hf_gguf_model():
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(smollm2_dir: Path):
+def smollm2_tokenizer(smollm2_dir: Path):
     from models.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_dir)

@@ -182,14 +182,16 @@ def test_chat_template_override_inline_or_from_a_file(smollm2_dir, tmp_path):
 
 
 def test_tokenizer_by_its_named_class_equals_autotokenizer(smollm2_dir, tmp_path):
-    """The server loads the class tokenizer_config.json names (AutoTokenizer would first
-    import the modeling stack): the same tokenizer, ids, specials and template; without
-    a tokenizer.json (a slow tokenizer), or naming an unknown class, AutoTokenizer."""
+    """Where transformers loads the tokenizer, the server loads the class
+    tokenizer_config.json names (AutoTokenizer would first import the modeling stack):
+    the same tokenizer, ids, specials and template; without a tokenizer.json (a slow
+    tokenizer), or naming an unknown class, AutoTokenizer."""
     from transformers import AutoTokenizer
 
     from models.tokenizer import _named_class
 
-    ours, auto = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ours = _named_class(smollm2_dir).from_pretrained(str(smollm2_dir))
+    auto = AutoTokenizer.from_pretrained(str(smollm2_dir))
     chat = [{"role": "user", "content": "Héllo <|im_end|> 日本 🦙"}]
     assert type(ours) is type(auto) and len(ours) == len(auto)
     assert apply_chat_template(ours, chat) == apply_chat_template(auto, chat)

@@ -24,8 +24,9 @@ N_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def chat_prompts(hf_tokenizer):
-    return [apply_chat_template(hf_tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+def chat_prompts(smollm2_tokenizer):
+    return [apply_chat_template(smollm2_tokenizer, [{"role": "user", "content": q}])
+            for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +71,10 @@ def test_greedy_parity_with_preemption_and_chunked_prefill(chat_prompts, hf_expe
 
 
 def test_repetition_penalty_counts_the_prompt_as_transformers_does(llm, hf_gguf_model,
-                                                                   hf_tokenizer):
+                                                                   smollm2_tokenizer):
     """Parity with HF's generate. The first token has no output behind it, so only the
     prompt's tokens can penalize it: it must differ from the unpenalized greedy one."""
-    prompts = [hf_tokenizer.encode(t) for t in (
+    prompts = [smollm2_tokenizer.encode(t) for t in (
         "red, green, blue, red, green, blue, red, green,", "1 2 3 4 5 1 2 3 4 5 1 2 3")]
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0,
                             repetition_penalty=1.3)  # min_tokens: HF's min_new_tokens

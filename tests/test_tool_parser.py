@@ -93,9 +93,9 @@ def test_a_tool_using_conversation_renders_for_a_template_without_tools():
 def test_forcing_grammars_compile_and_accept_only_calls():
     xgr = pytest.importorskip("xgrammar")
     from models.resolve import resolve_model
-    from models.tokenizer import load_tokenizer
+    from models.tokenizer import load_tokenizer, transformers_tokenizer
 
-    tok = load_tokenizer(resolve_model(None))
+    tok = transformers_tokenizer(load_tokenizer(resolve_model(None)))
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152))
 
     def accepts(so, text):

@@ -58,12 +58,12 @@ def test_converted_config_matches_smollm2(smollm2_dir: Path):
 
 @pytest.mark.slow
 def test_converted_weights_give_transformers_gguf_logits(smollm2_dir: Path, hf_gguf_model,
-                                                          hf_tokenizer):
+                                                          smollm2_tokenizer):
     from transformers import LlamaForCausalLM
 
     ours = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     short_chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    ids = torch.tensor([apply_chat_template(hf_tokenizer, short_chat)])
+    ids = torch.tensor([apply_chat_template(smollm2_tokenizer, short_chat)])
     with torch.no_grad():
         expected, actual = hf_gguf_model(ids).logits, ours(ids).logits
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
@@ -99,17 +99,17 @@ def test_iter_safetensors_names_a_truncated_file(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_transformers_gguf_tokenizer(hf_tokenizer):
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2_tokenizer):
     from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
     reference = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    ids = apply_chat_template(hf_tokenizer, FRANCE)
+    ids = apply_chat_template(smollm2_tokenizer, FRANCE)
     assert ids == apply_chat_template(reference, FRANCE)
     assert all(isinstance(i, int) for i in ids)
-    assert "<|im_start|>assistant" in hf_tokenizer.chat_template
-    assert hf_tokenizer.eos_token == "<|im_end|>" and hf_tokenizer.eos_token_id == 2
-    assert hf_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>assistant" in smollm2_tokenizer.chat_template
+    assert smollm2_tokenizer.eos_token == "<|im_end|>" and smollm2_tokenizer.eos_token_id == 2
+    assert smollm2_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 
 def test_gguf_cut_mid_tensors_raises_value_error_naming_it(tmp_path: Path, monkeypatch):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.engine.errors import InvalidParameter
+from models.tokenizer import transformers_tokenizer
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 GRAMMAR_THREADS = 2
@@ -104,7 +105,7 @@ class GrammarService:
             for i in getattr(self._tokenizer, "added_tokens_decoder", {}):
                 if i < self.vocab_size:
                     vocab[i] = ""
-            base = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
+            base = xgr.TokenizerInfo.from_huggingface(transformers_tokenizer(self._tokenizer),
                                                        vocab_size=self.vocab_size)
             info = xgr.TokenizerInfo(vocab, base.vocab_type, vocab_size=self.vocab_size,
                                      stop_token_ids=self._stop_ids,

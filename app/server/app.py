@@ -240,7 +240,7 @@ def freeze_startup_heap() -> None:
     """Take everything alive after the model load out of the garbage collector's walks.
 
     A full (oldest-generation) collection visits every tracked object, and after the
-    load there are ~240k (torch, transformers, the tokenizer, the model's modules). On
+    load there are ~200k (torch, the server's libraries, the model's modules). On
     this 2-core host each one took up to ~150 ms holding the GIL, so the event loop and
     the model thread stopped together (docs/benchmarks.md, session 8). Frozen, they are
     never visited again (reference counting still frees them). vLLM and SGLang freeze

@@ -125,7 +125,7 @@ async def tokenizer_info(request: Request, body: None) -> JSONResponse:
         token = getattr(tok, name, None)
         if token is not None:
             info[name] = getattr(token, "content", token)
-    info["tokenizer_class"] = type(tok).__name__
+    info["tokenizer_class"] = getattr(tok, "tokenizer_class", type(tok).__name__)
     info["model_max_length"] = core.max_model_len
     if getattr(tok, "chat_template", None):
         info["chat_template"] = tok.chat_template
