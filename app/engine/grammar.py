@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.engine.errors import InvalidParameter
-from models.tokenizer import transformers_tokenizer
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 GRAMMAR_THREADS = 2
@@ -95,6 +94,8 @@ class GrammarService:
 
     def _build_compiler(self):
         if self._compiler is None:
+            from models.tokenizer import transformers_tokenizer  # not in the light install
+
             xgr = self._xgr()
             # Added tokens (<|im_start|>, ...) are blanked: a grammar must never allow them
             # as text inside a JSON string (from_huggingface lets them through for BPE vocabs).
