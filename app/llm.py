@@ -40,6 +40,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The engine's tokenizer: `encode`, `decode`, `get_vocab`, the special tokens and
+        `apply_chat_template`, as transformers names them (`models/tokenizer.py`); for a
+        generic tokenizer.json it is not transformers' object, which
+        `models.tokenizer.transformers_tokenizer` gives."""
         return self.engine.tokenizer
 
     def generate(
