@@ -69,7 +69,10 @@ def _last_level_cache_bytes() -> int:
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = path.read_text().strip()
         scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * scale)
+        try:
+            sizes.append(int(text.rstrip("KM")) * scale)
+        except ValueError:
+            continue
     return max(sizes, default=0)
 
 

@@ -1,11 +1,11 @@
 """A model's tokenizer.json through the `tokenizers` library, without transformers.
 
-`import transformers` is 1.3-1.8 s of a 2-core host's start (it scans its 500 model
+`import transformers` is 1.3-1.8 s of a 2-core host's start (it scans its ~560 model
 folders for their exports and imports huggingface_hub); the tokenizer it then builds is,
 for the generic classes (`TokenizersBackend`, `PreTrainedTokenizerFast`), the
 tokenizer.json unchanged: the same Rust object, with the special tokens and the chat
-template of tokenizer_config.json beside it. `fits` says when that is so; anywhere else
-(a model's own tokenizer class, a slow tokenizer, options with which transformers
+template of tokenizer_config.json beside it. `why_not_as_is` says when it is not:
+there (a model's own tokenizer class, a slow tokenizer, options with which transformers
 rewrites the Rust tokenizer) `models/tokenizer.py` lets transformers load it.
 
 The class answers what the engine and the server ask a tokenizer (`encode`, `decode`,
@@ -52,7 +52,7 @@ def read_config(model_dir: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def fits(model_dir: Path, config: dict[str, Any] | None,
+def why_not_as_is(model_dir: Path, config: dict[str, Any] | None,
          backend: tokenizers.Tokenizer | None = None) -> str | None:
     """Why transformers would not use `model_dir`'s tokenizer.json as it is (None: it
     would). `backend` is the loaded tokenizer.json, for the checks that need it."""
@@ -103,10 +103,12 @@ class TokenizerJson:
     def load(cls, model_dir: Path) -> TokenizerJson | None:
         """The tokenizer, or None where transformers would not use tokenizer.json as is."""
         config = read_config(model_dir)
-        if fits(model_dir, config) is not None:
+        if why_not_as_is(model_dir, config) is not None:
             return None
         backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        return None if fits(model_dir, config, backend) else cls(model_dir, config, backend)
+        if why_not_as_is(model_dir, config, backend) is not None:
+            return None
+        return cls(model_dir, config, backend)
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -127,7 +129,10 @@ class TokenizerJson:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        if clean_up_tokenization_spaces:  # those that clean up are transformers' to load
+            raise ValueError("this tokenizer does not clean up tokenization spaces")
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

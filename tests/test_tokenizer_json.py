@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.tokenizer import apply_chat_template, load_tokenizer, transformers_tokenizer
-from models.tokenizer_json import TokenizerJson, fits, read_config
+from models.tokenizer_json import TokenizerJson, read_config, why_not_as_is
 
 TEXTS = ["", "Hello there", "a <|im_start|>b  \n\n x🦙", "  leading and trailing  ",
          "Héllo 日本語 العربية\t\r\n", "<|im_end|><|im_end|>", "def f(x):\n    return x**2\n",
@@ -96,6 +96,8 @@ def test_ids_text_and_specials_equal_transformers(pair):
     assert ours.chat_template == hf.chat_template
     with pytest.raises(AttributeError):
         ours.no_such_attribute  # noqa: B018
+    with pytest.raises(ValueError, match="clean up"):  # never silently skipped
+        ours.decode([1], clean_up_tokenization_spaces=True)
 
 
 @settings(max_examples=150, deadline=None)
@@ -189,7 +191,7 @@ def test_transformers_loads_what_it_would_rewrite(smollm2_dir, tmp_path, change)
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     import tokenizers
 
-    assert fits(d, config, tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")))
+    assert why_not_as_is(d, config, tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")))
     tok = load_tokenizer(d)
     assert not isinstance(tok, TokenizerJson)
     assert transformers_tokenizer(tok) is tok
