@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -44,6 +45,19 @@ constexpr int64_t kPanel = 32;  // output rows per panel: two 16-lane vectors
 // k into an L1 buffer (128 x 32 floats = 16 KB).
 constexpr int kPerBlockMaxRows = 4;
 constexpr int64_t kChunk = 128;
+
+// Each row's sum of x over each block of k (sums[t * blocks + b]): the per-block path
+// adds m * sum(x) once per block instead of m per weight.
+inline std::vector<float> block_sums(const float* x, int64_t M, int64_t xs, int64_t blocks) {
+  std::vector<float> sums(M * blocks);
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) sum += x[t * xs + b * kBlock + j];
+      sums[t * blocks + b] = sum;
+    }
+  return sums;
+}
 
 // One Q4_1 weight matrix in panels. `weight` (portable) or `block` with `levels`,
 // `widen` and `add_block` (AVX-512).

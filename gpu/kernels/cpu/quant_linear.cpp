@@ -165,13 +165,7 @@ void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   const int64_t tiles = (M + kTile - 1) / kTile, tile = (M + tiles - 1) / tiles;
   if (M <= kPerBlockMaxRows) {
     const int64_t blocks = K / kBlock;
-    std::vector<float> x_sums(M * blocks);
-    for (int64_t t = 0; t < M; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) sum += x_ptr[t * xs + b * kBlock + j];
-        x_sums[t * blocks + b] = sum;
-      }
+    const std::vector<float> x_sums = block_sums(x_ptr, M, xs, blocks);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);

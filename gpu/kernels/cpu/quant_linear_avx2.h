@@ -111,13 +111,7 @@ void quant_linear(const W& w, const float* x_ptr, int64_t M, int64_t xs, int64_t
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
   const int64_t blocks = K / kBlock;
   if (M <= kPerBlockMaxRows) {
-    std::vector<float> x_sums(M * blocks);
-    for (int64_t t = 0; t < M; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) sum += x_ptr[t * xs + b * kBlock + j];
-        x_sums[t * blocks + b] = sum;
-      }
+    const std::vector<float> x_sums = block_sums(x_ptr, M, xs, blocks);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
