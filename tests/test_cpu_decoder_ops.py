@@ -54,6 +54,24 @@ def test_silu_and_mul_matches_the_reference(rows, inter, dtype):
     torch.testing.assert_close(got, DecoderOps().silu_and_mul(gate_up), **TOL[dtype])
 
 
+@pytest.mark.parametrize("rows,dim", [(3, 576), (2, 100)])
+def test_bfloat16_rows_are_the_float32_results_rounded(rows, dim):
+    """The bf16 vector loops widen exactly, compute as the float32 ones do, and round as
+    `.to(torch.bfloat16)` does (to nearest even, infinities kept), tails too. NaN stays
+    NaN (c10's scalar rounding writes 0x7FC0, torch's vector cast 0xFFFF)."""
+    ops = CpuDecoderOps(KERNELS)
+    gate_up = (torch.randn(rows, 2 * dim) * 6).to(torch.bfloat16)
+    gate_up[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    want = ops.silu_and_mul(gate_up.float()).to(torch.bfloat16)
+    got = ops.silu_and_mul(gate_up)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+    x = torch.randn(rows, dim).to(torch.bfloat16)
+    weight = (torch.rand(dim) + 0.5).to(torch.bfloat16)
+    want = ops.rms_norm(x.float(), weight.float(), 1e-5).to(torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5), want)
+
+
 def test_other_shapes_fall_back_to_the_reference():
     x = torch.randn(2, 3, 8)  # 3-D rows: not the kernels' shape
     weight = torch.ones(8)
