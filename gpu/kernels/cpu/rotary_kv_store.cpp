@@ -65,8 +65,9 @@ inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t ro
     const __m512 a = load16(src + i), b = load16(src + i + half);
     const __m512 minus_b = _mm512_castsi512_ps(  // -b, the sign flipped (zeros too)
         _mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32(INT32_MIN)));
-    const __m512 lo = round16<T>(_mm512_add_ps(round16<T>(_mm512_mul_ps(a, load16(cos + i))),
-                                               round16<T>(_mm512_mul_ps(minus_b, load16(sin + i)))));
+    const __m512 lo = round16<T>(
+        _mm512_add_ps(round16<T>(_mm512_mul_ps(a, load16(cos + i))),
+                      round16<T>(_mm512_mul_ps(minus_b, load16(sin + i)))));
     const __m512 hi = round16<T>(
         _mm512_add_ps(round16<T>(_mm512_mul_ps(b, load16(cos + i + half))),
                       round16<T>(_mm512_mul_ps(a, load16(sin + i + half)))));
@@ -78,8 +79,9 @@ inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t ro
     using lanes::load8, lanes::round8;
     const __m256 a = load8(src + i), b = load8(src + i + half);
     const __m256 minus_b = _mm256_xor_ps(b, _mm256_set1_ps(-0.f));  // -b, zeros too
-    const __m256 lo = round8<T>(_mm256_add_ps(round8<T>(_mm256_mul_ps(a, load8(cos + i))),
-                                              round8<T>(_mm256_mul_ps(minus_b, load8(sin + i)))));
+    const __m256 lo = round8<T>(
+        _mm256_add_ps(round8<T>(_mm256_mul_ps(a, load8(cos + i))),
+                      round8<T>(_mm256_mul_ps(minus_b, load8(sin + i)))));
     const __m256 hi = round8<T>(
         _mm256_add_ps(round8<T>(_mm256_mul_ps(b, load8(cos + i + half))),
                       round8<T>(_mm256_mul_ps(a, load8(sin + i + half)))));
