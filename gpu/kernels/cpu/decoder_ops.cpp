@@ -39,43 +39,16 @@ inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 // descheduled thread (measured: +300 ms a step at 2 threads), for work of microseconds.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, (1 << 20) / width); }
 
-// Vector paths for both dtypes (lanes.h); the scalar loops finish each row's tail.
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-using Vec = __m512;
-inline Vec load(const float* p) { return lanes::load16(p); }
-inline Vec load(const c10::BFloat16* p) { return lanes::load16(p); }
-inline void store(float* p, Vec v) { lanes::store16(p, v); }
-inline void store(c10::BFloat16* p, Vec v) { lanes::store16(p, v); }
-inline Vec splat(float x) { return _mm512_set1_ps(x); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline float sum_lanes(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kLanes = 8;
-using Vec = __m256;
-inline Vec load(const float* p) { return lanes::load8(p); }
-inline Vec load(const c10::BFloat16* p) { return lanes::load8(p); }
-inline void store(float* p, Vec v) { lanes::store8(p, v); }
-inline void store(c10::BFloat16* p, Vec v) { lanes::store8(p, v); }
-inline Vec splat(float x) { return _mm256_set1_ps(x); }
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline float sum_lanes(Vec v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define ROW_VECTORS 1  // else the scalar loops do every element
+// Vector loops for both dtypes (lanes.h); the scalar loops finish each row's tail.
+#ifdef LANES_VECTORS
+using lanes::add, lanes::load, lanes::mul, lanes::splat, lanes::store;
 #endif
 
 template <typename T>
 void norm_rows(const T* in, int64_t in_stride, T* res, int64_t res_stride, const T* weight,
                T* out, int64_t rows, int64_t dim, float eps) {
-#ifdef ROW_VECTORS
-  const int64_t whole = dim - dim % kLanes;  // what the vector loops take
+#ifdef LANES_VECTORS
+  const int64_t whole = dim - dim % lanes::kLanes;  // what the vector loops take
 #endif
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -85,14 +58,14 @@ void norm_rows(const T* in, int64_t in_stride, T* res, int64_t res_stride, const
       int64_t d = 0;
       if (res != nullptr) {  // residual += x, the sum (as stored) normalised
         T* h = res + r * res_stride;
-#ifdef ROW_VECTORS
-        Vec acc = splat(0.f);
-        for (; d < whole; d += kLanes) {
+#ifdef LANES_VECTORS
+        lanes::Vec acc = splat(0.f);
+        for (; d < whole; d += lanes::kLanes) {
           store(h + d, add(load(h + d), load(x + d)));
-          const Vec v = load(h + d);  // the sum as rounded to T
+          const lanes::Vec v = load(h + d);  // the sum as rounded to T
           acc = add(acc, mul(v, v));
         }
-        ss = sum_lanes(acc);
+        ss = lanes::sum_lanes(acc);
 #endif
         for (; d < dim; ++d) {
           const T sum = T(widen(h[d]) + widen(x[d]));
@@ -102,20 +75,20 @@ void norm_rows(const T* in, int64_t in_stride, T* res, int64_t res_stride, const
         }
         x = h;
       } else {
-#ifdef ROW_VECTORS
-        Vec acc = splat(0.f);
-        for (; d < whole; d += kLanes) {
-          const Vec v = load(x + d);
+#ifdef LANES_VECTORS
+        lanes::Vec acc = splat(0.f);
+        for (; d < whole; d += lanes::kLanes) {
+          const lanes::Vec v = load(x + d);
           acc = add(acc, mul(v, v));
         }
-        ss = sum_lanes(acc);
+        ss = lanes::sum_lanes(acc);
 #endif
         for (; d < dim; ++d) ss += widen(x[d]) * widen(x[d]);
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
       d = 0;
-#ifdef ROW_VECTORS
-      for (; d < whole; d += kLanes)
+#ifdef LANES_VECTORS
+      for (; d < whole; d += lanes::kLanes)
         store(o + d, mul(mul(load(x + d), splat(inv)), load(weight + d)));
 #endif
       for (; d < dim; ++d) o[d] = T(widen(x[d]) * inv * widen(weight[d]));

@@ -9,11 +9,19 @@
 // Rounding is c10's: widening is exact (the 16 bits shifted up), narrowing rounds to
 // nearest even, NaN becomes 0x7FC0, exactly as `c10::BFloat16(float)` does, so a
 // vector loop stores the bits its scalar tail would.
+//
+// Two layers: loads and stores named by width (load16 / store16, load8 / store8), which
+// the attention kernels mix with their own intrinsics, and over them `Vec` with `kLanes`,
+// `load`, `store`, `rounded<T>` and a little arithmetic, the build's widest vector, for
+// loops written once for both widths (defined where LANES_VECTORS is).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
 #include <type_traits>
+
+#include "reduce.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -74,6 +82,36 @@ inline __m256 round8(__m256 v) {
   if constexpr (std::is_same_v<T, float>) return v;
   else return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LANES_VECTORS 1
+#endif
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+template <typename T> inline Vec load(const T* p) { return load16(p); }
+template <typename T> inline void store(T* p, Vec v) { store16(p, v); }
+template <typename T> inline Vec rounded(Vec v) { return round16<T>(v); }
+inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec neg(Vec a) {  // the sign flipped, zeros too (0 - a would give +0 for +0)
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), sign));
+}
+inline float sum_lanes(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+template <typename T> inline Vec load(const T* p) { return load8(p); }
+template <typename T> inline void store(T* p, Vec v) { store8(p, v); }
+template <typename T> inline Vec rounded(Vec v) { return round8<T>(v); }
+inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec neg(Vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+inline float sum_lanes(Vec v) { return reduce_add8(v); }
 #endif
 
 }  // namespace lanes

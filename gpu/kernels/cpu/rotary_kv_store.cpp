@@ -42,10 +42,8 @@ inline void store(const T* src, KV* dst, int64_t n) {
     std::memcpy(dst, src, sizeof(T) * n);
   } else {
     int64_t i = 0;
-#ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) lanes::store16(dst + i, lanes::load16(src + i));
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) lanes::store8(dst + i, lanes::load8(src + i));
+#ifdef LANES_VECTORS
+    for (; i + lanes::kLanes <= n; i += lanes::kLanes) lanes::store(dst + i, lanes::load(src + i));
 #endif
     for (; i < n; ++i) dst[i] = KV(widen(src[i]));
   }
@@ -59,34 +57,16 @@ inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t ro
   const int64_t half = rot / 2;
   int64_t i = 0;
   // The same products, sums and roundings on vector lanes (lanes.h), then the tail.
-#ifdef __AVX512F__
-  for (; i + 16 <= half; i += 16) {
-    using lanes::load16, lanes::round16;
-    const __m512 a = load16(src + i), b = load16(src + i + half);
-    const __m512 minus_b = _mm512_castsi512_ps(  // -b, the sign flipped (zeros too)
-        _mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32(INT32_MIN)));
-    const __m512 lo = round16<T>(
-        _mm512_add_ps(round16<T>(_mm512_mul_ps(a, load16(cos + i))),
-                      round16<T>(_mm512_mul_ps(minus_b, load16(sin + i)))));
-    const __m512 hi = round16<T>(
-        _mm512_add_ps(round16<T>(_mm512_mul_ps(b, load16(cos + i + half))),
-                      round16<T>(_mm512_mul_ps(a, load16(sin + i + half)))));
-    lanes::store16(dst + i, lo);
-    lanes::store16(dst + i + half, hi);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (; i + 8 <= half; i += 8) {
-    using lanes::load8, lanes::round8;
-    const __m256 a = load8(src + i), b = load8(src + i + half);
-    const __m256 minus_b = _mm256_xor_ps(b, _mm256_set1_ps(-0.f));  // -b, zeros too
-    const __m256 lo = round8<T>(
-        _mm256_add_ps(round8<T>(_mm256_mul_ps(a, load8(cos + i))),
-                      round8<T>(_mm256_mul_ps(minus_b, load8(sin + i)))));
-    const __m256 hi = round8<T>(
-        _mm256_add_ps(round8<T>(_mm256_mul_ps(b, load8(cos + i + half))),
-                      round8<T>(_mm256_mul_ps(a, load8(sin + i + half)))));
-    lanes::store8(dst + i, lo);
-    lanes::store8(dst + i + half, hi);
+#ifdef LANES_VECTORS
+  using lanes::add, lanes::load, lanes::mul, lanes::rounded;
+  for (; i + lanes::kLanes <= half; i += lanes::kLanes) {
+    const lanes::Vec a = load(src + i), b = load(src + i + half);
+    const lanes::Vec lo = rounded<T>(add(rounded<T>(mul(a, load(cos + i))),
+                                         rounded<T>(mul(lanes::neg(b), load(sin + i)))));
+    const lanes::Vec hi = rounded<T>(add(rounded<T>(mul(b, load(cos + i + half))),
+                                         rounded<T>(mul(a, load(sin + i + half)))));
+    lanes::store(dst + i, lo);
+    lanes::store(dst + i + half, hi);
   }
 #endif
   for (; i < half; ++i) {
