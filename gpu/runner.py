@@ -204,8 +204,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             from gpu import cpu_linear
 
-            blocks = (gguf_blocks.load(spec.model_dir)
-                      if spec.cpu_quantized_matmul and weights is None else {})
+            matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
+            # The blocks serve float32 matmuls only (a float32 model, or bf16 widened).
+            blocks = (gguf_blocks.load(spec.model_dir) if spec.cpu_quantized_matmul
+                      and weights is None and matmul_dtype == torch.float32 else {})
             kernels = getattr(self.backend, "kernels", None)
             if spec.int8_activations and (why := cpu_linear.int8_unavailable(
                     self.dtype, blocks, kernels)):
@@ -213,7 +215,6 @@ class ModelRunner:
             # Logs what its packed copies and the blocks add in host memory.
             cpu_linear.pack_linears(self.model, blocks, kernels, spec.int8_activations)
             block_reads = cpu_linear.quantized_reads(self.model)
-            matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "
                              f"{self.device}")

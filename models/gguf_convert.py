@@ -7,9 +7,10 @@ GGUF support is this one file rather than a second loading path. The tensors are
 written in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and
 the same values the loader would have cast to); float32 is the exact path the parity
 tests use.
-A float32 conversion also keeps the Q4_1 / Q8_0 weights' blocks as they are
-(`models/gguf_blocks.py`): the CPU's small-batch matmuls read them, the same values in
-a sixth of the bytes.
+Every conversion also keeps the Q4_1 / Q8_0 weights' blocks as they are
+(`models/gguf_blocks.py`): the CPU's float32 small-batch matmuls read them, the same
+values in a sixth of the bytes, and so do a bf16 model's on a CPU without bf16
+arithmetic (which multiplies in float32, `gpu/cpu_linear.py`).
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
@@ -128,8 +129,8 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
         save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype]),
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
-        if dtype == "float32":  # the blocks encode exactly these values (see gguf_blocks)
-            gguf_blocks.save(*_quantized_blocks(reader, config), tmp)
+        # The float32 weights' exact values (see gguf_blocks), whatever the dtype here.
+        gguf_blocks.save(*_quantized_blocks(reader, config), tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -100,3 +100,19 @@ def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, 
     want = (bf16_bytes + sum(m.quantized.nbytes for m in layers)
             + head.packed.numel() * 4)
     assert extra == want
+
+
+def test_a_bf16_conversion_keeps_the_blocks(smollm2_dir):
+    """The embedded model converted for `--dtype bfloat16` keeps the blocks too: the
+    widened layers read them, and they hold the float32 entry's values exactly (the bf16
+    checkpoint holds them rounded)."""
+    from models.resolve import resolve_model
+
+    bf16_dir = resolve_model(None, dtype="bfloat16")
+    blocks = gguf_blocks.load(bf16_dir)
+    assert len(blocks) == 30 * 7 + 1
+    name = "model.layers.7.self_attn.k_proj.weight"  # Q/K rows un-permuted like the dense
+    exact = dict(iter_safetensors(smollm2_dir, torch.float32))[name]
+    rounded = dict(iter_safetensors(bf16_dir, torch.bfloat16))[name]
+    assert torch.equal(blocks[name].dequantize(), exact)
+    assert torch.equal(rounded, exact.bfloat16())
