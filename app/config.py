@@ -152,8 +152,9 @@ class EngineConfig:
                                      "be); torch: plain torch",
                                      choices=ATTENTION_BACKENDS)
     cpu_quantized_matmul: bool = setting(
-        True, "on CPU in float32, matmuls of a few rows (decode) read a GGUF's Q4_1/Q8_0 "
-        "blocks through a C++ kernel: the same weights in a sixth of the bytes")
+        True, "on CPU, matmuls of a few rows (decode) read a GGUF's Q4_1/Q8_0 blocks "
+        "through a C++ kernel, multiplying in float32: in float32 the same weights in a "
+        "sixth of the bytes; in bfloat16, calls of up to 6 rows, in a third")
     int8_activations: bool = setting(
         False, "on CPU, GGUF models in float32: quantize each matmul's input to int8 per "
         "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2); the "

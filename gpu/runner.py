@@ -205,9 +205,11 @@ class ModelRunner:
             from gpu import cpu_linear
 
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
-            # The blocks serve float32 matmuls only (a float32 model, or bf16 widened).
+            # The blocks serve float32 matmuls (a float32 model, or bf16 widened) and a bf16
+            # model's calls of few rows (`cpu_linear.BF16_QUANTIZED_MAX_ROWS`).
             blocks = (gguf_blocks.load(spec.model_dir) if spec.cpu_quantized_matmul
-                      and weights is None and matmul_dtype == torch.float32 else {})
+                      and weights is None
+                      and matmul_dtype in (torch.float32, torch.bfloat16) else {})
             kernels = getattr(self.backend, "kernels", None)
             if spec.int8_activations and (why := cpu_linear.int8_unavailable(
                     self.dtype, blocks, kernels)):
@@ -344,7 +346,8 @@ class ModelRunner:
         result = StepResult([], [])
         if batch.sample_indices:
             # 2. Logits, only for the rows that sample (the last new token of each).
-            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows],
+                                               widen=False)
             # 3. Sampling; its results are the step's one device-to-host copy.
             result = self._sample(logits, batch.sampling)
         # 4. Prompt logprobs (echo, prompt_logprobs): every position of those chunks.

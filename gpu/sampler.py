@@ -138,7 +138,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
                  ) -> tuple[list[int], list[Logprobs]]:
-        """logits [B, V] float32 → one token id per row (and logprobs where asked)."""
+        """logits [B, V] → one token id per row (and logprobs where asked). Logits in
+        another dtype than float32 (a bf16 model's) are widened, unless every row is
+        greedy with nothing else asked: an argmax over the bf16 values is the same."""
         n, vocab = logits.shape
         lp = [i for i, r in enumerate(rows) if r.logprobs is not None]
         pen = [i for i, r in enumerate(rows) if r.penalized]
@@ -148,6 +150,7 @@ class Sampler:
         if not (lp or pen or sampled or bans or shaped):  # greedy, nothing else: fast path
             (tokens,) = to_host(self._argmax(logits))
             return tokens.tolist(), [None] * n
+        logits = logits.float()  # a no-op for float32
 
         s_rows = [rows[i] for i in sampled]
         dev, fields, progress = self._stage_row_values(rows, lp, pen, bans, sampled, vocab)
@@ -183,7 +186,8 @@ class Sampler:
         return self._with_logprobs(raw, tokens, rows, lp, dev)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.argmax_rows is not None and logits.dtype == FLOAT and logits.stride(-1) == 1:
+        if self.argmax_rows is not None and logits.dtype in (FLOAT, torch.bfloat16) \
+                and logits.stride(-1) == 1:
             return self.argmax_rows(logits)
         return logits.argmax(dim=-1)
 

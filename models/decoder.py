@@ -180,10 +180,12 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, ctx)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """The LM head's output, widened to float32 unless `widen` is off (the sampler
+        widens what it needs: an argmax reads a bf16 row as it is)."""
+        logits = (F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None  # tied
+                  else self.lm_head(hidden))
+        return logits.float() if widen else logits
 
     # -- weights ------------------------------------------------------------------
 

@@ -143,6 +143,29 @@ def test_argmax_rows_is_torch_argmax_with_ties_nans_and_empty_rows(vocab):
         if trial % 4 == 0:
             x[2] = float("-inf")
         assert torch.equal(KERNELS.argmax_rows(x), x.argmax(dim=-1)), trial
+        # A bf16 model's logits are read as they are: the widened row's answer.
+        assert torch.equal(KERNELS.argmax_rows(x.bfloat16()), x.argmax(dim=-1)), trial
+    # More rows than one thread takes, values that differ only in bf16's last bit.
+    x = (1 + torch.randint(0, 64, (40, vocab), generator=gen) / 128).bfloat16()
+    assert torch.equal(KERNELS.argmax_rows(x), x.float().argmax(dim=-1))
+
+
+def test_a_greedy_bf16_batch_is_sampled_without_widening_its_logits():
+    """The fast path (every row greedy, nothing else asked) argmaxes the bf16 logits as
+    they come; any other batch is widened first, and both give torch's answers."""
+    from gpu.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"), kernels=KERNELS)
+    logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    greedy = [SamplingRow(temperature=0.0) for _ in range(6)]
+    tokens, _ = sampler(logits, greedy)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    with_logprobs = [SamplingRow(temperature=0.0, logprobs=2) for _ in range(6)]
+    tokens, lps = sampler(logits, with_logprobs)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for i, (token_logprob, _top) in enumerate(lps):
+        assert token_logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-5)
 
 
 def test_the_model_thread_samples_with_the_kernels(tiny_dir):

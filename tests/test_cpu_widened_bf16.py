@@ -7,7 +7,9 @@ float32 and rounded once, as a bf16 matmul does. Its float32 weight is the
 checkpoint's: a GGUF's blocks' exact values, so a widened layer's output is the float32
 layer's (same kernels, same weights) rounded to bf16, bit for bit, at every row count.
 `widen` is passed explicitly here, so these run on any host; `pack_linears` turns it on
-only where the CPU lacks bf16 arithmetic (the last test stands in for such a CPU).
+only where the CPU lacks bf16 arithmetic (the last test stands in for such a CPU). Where
+the CPU has it, a bf16 layer's calls of few rows read the blocks the same way, and more
+rows go to oneDNN's bf16 matmul.
 """
 
 from __future__ import annotations
@@ -51,6 +53,39 @@ def test_widened_layer_is_the_float32_layer_rounded(smollm2_dir):
         assert torch.equal(got, fp32(x.float()).bfloat16()), rows
     x = torch.randn(2, 7, exact.shape[1]).bfloat16()  # a prefill's [batch, tokens, K]
     assert torch.equal(widened(x), fp32(x.float()).bfloat16())
+
+
+@needs_kernels
+@needs_packing
+def test_bf16_layer_reads_the_blocks_for_few_rows_where_the_cpu_multiplies_bf16(smollm2_dir):
+    """On a CPU with bf16 arithmetic a bf16 layer keeps oneDNN's packed bf16 weight, and
+    its calls of up to `BF16_QUANTIZED_MAX_ROWS` rows read the blocks instead (a third of
+    the bytes), multiplied in float32 as a widened layer does: those outputs are the
+    float32 layer's rounded, bit for bit; more rows run oneDNN's bf16 matmul."""
+    blocks = gguf_blocks.load(smollm2_dir)
+    name = "model.layers.3.self_attn.o_proj.weight"
+    q = blocks[name]
+    exact = q.dequantize()
+    layer = PackedLinear(exact.bfloat16(), quantized=q, kernels=KERNELS)
+    assert not layer.widen
+    most = (quantized_max_rows(KERNELS, torch.bfloat16) or {}).get("q4_1")
+    if most is None:  # no bf16 table for this vector width: the blocks stay unused
+        assert layer.quantized is None and layer.quantized_max_rows == 0
+        return
+    assert layer.quantized is not None and layer.quantized_max_rows == most
+    assert layer.packed.dtype == torch.bfloat16 and layer.plain is None
+    fp32 = PackedLinear(exact, quantized=q, kernels=KERNELS)
+    torch.manual_seed(0)
+    for rows in range(1, most + 1):
+        x = torch.randn(rows, exact.shape[1]).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, exact.shape[0])
+        assert torch.equal(got, fp32(x.float()).bfloat16()), rows
+    x = torch.randn(most + 1, exact.shape[1]).bfloat16()
+    packed = torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [None], "")
+    assert torch.equal(layer(x), packed)  # past the threshold: oneDNN's bf16 product
+    torch.testing.assert_close(layer(x).double(), x.double() @ exact.bfloat16().double().T,
+                               atol=3e-2, rtol=1e-2)
 
 
 @needs_packing

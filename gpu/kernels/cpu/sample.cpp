@@ -18,11 +18,13 @@
 // (inverse transform sampling). Where a cut falls between equal weights, the lowest
 // ids are kept.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "lanes.h"
 #include "reduce.h"
 
 #include <algorithm>
@@ -379,7 +381,10 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
 }
 
 // The first index of a row's largest value, or of its first NaN: torch.argmax's answer.
-int64_t argmax_row(const float* x, int64_t V) {
+// bf16 rows (a bf16 model's logits) are widened as they are read: exact, so the answer is
+// the widened row's, without the float32 copy of every logit it would take first.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t best = 0, v = 0;
   bool nan = false;
@@ -392,7 +397,7 @@ int64_t argmax_row(const float* x, int64_t V) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 unordered = 0;
   for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-    const __m512 y = _mm512_loadu_ps(x + v);
+    const __m512 y = lanes::load16(x + v);
     unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
     const __mmask16 larger = _mm512_cmp_ps_mask(y, mx, _CMP_GT_OQ);
     mx = _mm512_mask_mov_ps(mx, larger, y);
@@ -408,7 +413,7 @@ int64_t argmax_row(const float* x, int64_t V) {
   __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
   __m256i at = _mm256_setzero_si256(), iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
-    const __m256 y = _mm256_loadu_ps(x + v);
+    const __m256 y = lanes::load8(x + v);
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     const __m256 larger = _mm256_cmp_ps(y, mx, _CMP_GT_OQ);
     mx = _mm256_blendv_ps(mx, y, larger);
@@ -429,26 +434,38 @@ int64_t argmax_row(const float* x, int64_t V) {
   }
 #endif
   for (; v < V; ++v) {
-    nan |= std::isnan(x[v]);
-    if (x[v] > m) m = x[v], best = v;
+    const float y = static_cast<float>(x[v]);
+    nan |= std::isnan(y);
+    if (y > m) m = y, best = v;
   }
   if (nan) {
     for (int64_t j = 0; j < V; ++j) {
-      if (std::isnan(x[j])) return j;
+      if (std::isnan(static_cast<float>(x[j]))) return j;
     }
   }
   return best;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+  TORCH_CHECK(logits.dim() == 2 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
                   logits.stride(1) == 1 && logits.size(1) > 0,
-              "argmax_rows: logits must be [rows, vocab > 0] float32, unit column stride");
-  const int64_t R = logits.size(0), V = logits.size(1);
+              "argmax_rows: logits must be [rows, vocab > 0] float32 or bfloat16, unit column "
+              "stride");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    o[r] = argmax_row(logits.data_ptr<float>() + r * logits.stride(0), V);
+  // Rows in parallel: a batch's rows are independent, and one row of a 50k vocabulary
+  // is ~10 us of work, so only several rows are worth a thread's wake-up.
+  auto rows = [&](const auto* x) {
+    at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, V);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    rows(logits.const_data_ptr<float>());
+  } else {
+    rows(logits.const_data_ptr<c10::BFloat16>());
   }
   return out;
 }
