@@ -88,6 +88,15 @@ QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}
 # 0.81-1.15x at 8; the Q8_0 head 0.79x at 1 row, 0.96x at 2, 1.07x at 4. Only AVX-512
 # builds: an AVX2 CPU has no bf16 arithmetic (there every bf16 layer is widened).
 BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
+# bf16 where the CPU has AMX: Q4_1 calls of these many rows run `quant_linear_amx.cpp`, the
+# blocks rounded to bf16 (the bf16 checkpoint's weights) and multiplied on the tile unit,
+# and the widened blocks keep only the calls below. Measured on the two-core Xeon with AMX
+# (docs/benchmarks.md, session 15; SmolLM2's four Q4_1 shapes x 30, caches flushed between
+# steps), widened blocks / AMX blocks / oneDNN's packed bf16, ms a step: 1 row 6.2 / 7.7 /
+# 13.9, 2 rows 6.9 / 7.7 / 13.7, 3 rows 7.9 / 7.5 / 13.5, 4 rows 9.5 / 7.7 / 13.5, 16 rows
+# - / 8.1 / 14.1, 32 rows - / 8.7 / 15.4, 48 rows - / 16.2 / 17.6, 64 rows - / 13.2 / 17.5;
+# level at 80-128 rows, and oneDNN's twice as fast at 256 (prefill).
+AMX_ROWS = {"q4_1": range(3, 65)}
 
 
 def quantized_max_rows(kernels, dtype: torch.dtype = torch.float32) -> dict[str, int] | None:
@@ -167,7 +176,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
-                 int8_activations: bool = False, widen: bool = False):
+                 int8_activations: bool = False, widen: bool = False, amx: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
@@ -190,6 +199,15 @@ class PackedLinear(nn.Module):
                               if self.quantized is not None else None)
         self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
                                    if int8_activations else block_rows[quantized.format])
+        # A bf16 layer on AMX: the blocks on the tile unit for the rows AMX_ROWS gives.
+        self._amx_op = (getattr(kernels, f"{quantized.format}_linear_amx", None)
+                        if amx and self.quantized is not None
+                        and weight.dtype == torch.bfloat16 else None)
+        self.amx_rows = AMX_ROWS.get(quantized.format) if self._amx_op else None
+        if self.amx_rows is None:
+            self._amx_op = None
+        else:
+            self.quantized_max_rows = min(self.quantized_max_rows, self.amx_rows.start - 1)
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
@@ -212,6 +230,9 @@ class PackedLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         if rows <= self.quantized_max_rows:
             out = self._blocks(x.reshape(rows, self.in_features))
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.amx_rows is not None and rows in self.amx_rows:
+            out = self._amx_op(x.reshape(rows, self.in_features), *self._quantized_args)
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain is not None and rows < PACKED_MIN_ROWS:
             return F.linear(x, self.plain)
@@ -283,6 +304,7 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     count, extra, used = 0, 0, 0
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
+    amx = kernels is not None and hasattr(kernels, "amx_usable") and kernels.amx_usable()
 
     def packable(w: torch.Tensor) -> bool:
         return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
@@ -291,7 +313,8 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         nonlocal count, extra, used
         q = sources.get(name)
         layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
-                             kernels=kernels, int8_activations=int8_activations, widen=widen)
+                             kernels=kernels, int8_activations=int8_activations, widen=widen,
+                             amx=amx)
         count += 1
         used += layer.quantized is not None
         # The layer's copies replace the weight, but for the embedding, still needed for

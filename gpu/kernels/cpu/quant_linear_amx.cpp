@@ -1,0 +1,209 @@
+// x @ W.T for a bf16 model on AMX, straight from a GGUF's Q4_1 blocks:
+// bf16 x in, bf16 out, the products of bf16 values summed in fp32 by the tile unit.
+//
+// Why: on a CPU with AMX, oneDNN's packed bf16 matmul is fast at many rows, but every
+// call streams the whole bf16 weight (2 bytes a weight) whatever the rows, so decode
+// steps of a few to a few dozen rows wait on memory. The blocks are ~0.6 bytes a weight.
+// Here each panel of 32 outputs is dequantized once per call, block by block, into an
+// L2-resident bf16 buffer in the tile unit's pair layout; the first tile of x rows
+// multiplies each block as soon as it is widened (the tile unit runs while the next
+// block widens: 10 ms against 12-15 ms at 1-16 rows for SmolLM2's layers, measured),
+// the later tiles run over the buffer. Only Q4_1: the Q8_0 LM head, tried the same way,
+// was slower than oneDNN's packed bf16 at every row count (its levels widen dearer).
+// Measured, and the row counts each path takes: gpu/cpu_linear.py, docs/benchmarks.md.
+//
+// Exactness: each weight is dequantized as quant_blocks.h does (the float32 checkpoint's
+// value) and rounded to bf16 to nearest even, as the bf16 checkpoint rounded it, so the
+// products are oneDNN's on the bf16 weights; only the summation order differs.
+//
+// Layout: the tile unit multiplies pairs of k (its B operand holds, per row r and output
+// n, the weights of k = 2r and 2r + 1). A Q4_1 block pairs k = j with k = j + 16 in one
+// byte, so the kernel pairs them the same way and permutes x to match once per call:
+// x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1] = x[32b + j + 16]. A dot product does not
+// care in which order k comes.
+//
+// Tiles (all 8): C 0-3 (two x tiles of up to 16 rows x two output halves of 16),
+// A 4-5 (x rows, one block of 32 k), B 6-7 (the block's weights for the two halves).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_blocks.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+using namespace quant;
+
+constexpr int kTileRows = 16;
+
+// Linux hands a process the AMX state only when asked (once per process).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles for x tiles of r0 and r1 rows (r1 may be 0).
+void configure(int r0, int r1) {
+  TileConfig c;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, kTileRows, kTileRows};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 1);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Two float vectors (outputs 0-15 of k = j and of k = j + 16) as one row of B: their
+// bf16 values paired per output, rounded to nearest even.
+// Lane i of a 32 x 16-bit vector from lane kPairs[i]: lanes 0-15 and 16-31 interleaved.
+alignas(64) constexpr uint16_t kPairs[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                             21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                             11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+inline __m512i interleaved(__m512i v) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kPairs), v);
+}
+
+inline void store_pair_row(__m512 lo, __m512 hi, uint16_t* row) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in 0-15, hi in 16-31
+  _mm512_storeu_si512(row, interleaved(both));
+}
+
+// Block b of panel p as two B tiles: out[half][j][32 bf16] (2 KB).
+template <typename W>
+inline void dequantize_block(const W& w, int64_t p, int64_t b, uint16_t* out) {
+  const auto bl = w.block(p, b);
+  uint16_t* half1 = out + kTileRows * 32;
+  for (int j = 0; j < 16; ++j) {
+    __m512 lo0, lo1, hi0, hi1;
+    W::widen(bl, j, lo0, lo1, hi0, hi1);
+    store_pair_row(lo0, hi0, out + j * 32);
+    store_pair_row(lo1, hi1, half1 + j * 32);
+  }
+}
+
+// x [M, K] bf16 (row stride xs) with each block's k paired as B pairs them (see above).
+std::vector<uint16_t> paired_x(const c10::BFloat16* x, int64_t M, int64_t xs, int64_t K) {
+  std::vector<uint16_t> out(M * K);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; k += kBlock)
+      _mm512_storeu_si512(out.data() + i * K + k,
+                          interleaved(_mm512_loadu_si512(x + i * xs + k)));
+  return out;
+}
+
+template <typename W>
+void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
+  const int64_t M = x.size(0), K = w.K, blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+  const std::vector<uint16_t> xp =
+      paired_x(x.const_data_ptr<c10::BFloat16>(), M, x.stride(0), K);
+  c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> buf(blocks * 2 * kTileRows * 32);
+    alignas(64) float acc[2 * kTileRows][kPanel];
+    int configured = -1;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kTileRows) {
+        const int r0 = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        const int r1 = static_cast<int>(std::min<int64_t>(kTileRows, M - m0 - r0));
+        if (configured != r0 * 32 + r1) {
+          configure(r0, r1);
+          configured = r0 * 32 + r1;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        if (r1) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        const uint16_t* a = xp.data() + m0 * K;
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint16_t* bb = buf.data() + b * 2 * kTileRows * 32;
+          // The first x tile dequantizes each block just before its products, so the
+          // tile unit works while the next block is widened; later tiles reuse it.
+          if (m0 == 0) dequantize_block(w, p, b, bb);
+          _tile_loadd(4, a + b * kBlock, K * 2);
+          _tile_loadd(6, bb, 64);
+          _tile_loadd(7, bb + kTileRows * 32, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (r1) {
+            _tile_loadd(5, a + kTileRows * K + b * kBlock, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, &acc[0][0], kPanel * 4);
+        _tile_stored(1, &acc[0][16], kPanel * 4);
+        if (r1) {
+          _tile_stored(2, &acc[kTileRows][0], kPanel * 4);
+          _tile_stored(3, &acc[kTileRows][16], kPanel * 4);
+        }
+        for (int64_t i = 0; i < r0 + r1; ++i) {
+          c10::BFloat16* o = out_ptr + (m0 + i) * N + p * kPanel;
+          for (int64_t n = 0; n < cols; ++n) o[n] = c10::BFloat16(acc[i][n]);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
+                           const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
+  const char* op = "q4_1_linear_amx";
+  TORCH_CHECK(amx_permitted(), op, ": Linux refused this process the AMX state");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be bfloat16 [M, K] with contiguous rows, got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 &&
+                  qweight.is_contiguous() && qweight.size(2) == 16 && qweight.size(3) == kPanel,
+              op, ": qweight must be contiguous uint8 [panels, K/32, 16, 32]");
+  const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
+                op, ": scales and mins must be contiguous float32 [panels, K/32, 32]");
+  TORCH_CHECK(x.size(1) == K, op, ": x has K = ", x.size(1), " but the weight has K = ", K);
+  TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, op, ": N = ", N,
+              " does not fill ", panels, " panels of 32 outputs");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+  const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+               mins.const_data_ptr<float>(), K};
+  amx_linear(w, x, N, out);
+  return out;
+}
+
+}  // namespace
+
+// Registered only where AMX was compiled in: callers look the ops up by name.
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("q4_1_linear_amx(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
+  m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_amx));
+  m.def("amx_usable() -> bool", &amx_permitted);
+}
+#endif
