@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gpu import cpu_linear
-from gpu.cpu_linear import PackedLinear, pack_linears, quantized_max_rows
+from gpu.cpu_linear import PackedLinear, multiply_dtype, pack_linears, quantized_max_rows
 from gpu.kernels.cpu.build import cpu_kernels
 from models import gguf_blocks
 from models.weights import iter_safetensors
@@ -29,6 +29,10 @@ needs_kernels = pytest.mark.skipif(
     reason="C++ CPU kernels not built here, or without vector paths (no blocks then)")
 needs_packing = pytest.mark.skipif(not cpu_linear._packing_available(),
                                    reason="torch without oneDNN's packed linears")
+needs_bf16_arithmetic = pytest.mark.skipif(
+    not cpu_linear._packing_available() or multiply_dtype(torch.bfloat16) != torch.bfloat16,
+    reason="this CPU has no bf16 arithmetic: oneDNN cannot pack bf16 (AVX2), every bf16 "
+           "layer is widened, which the tests above cover")
 
 
 @needs_kernels
@@ -56,7 +60,7 @@ def test_widened_layer_is_the_float32_layer_rounded(smollm2_dir):
 
 
 @needs_kernels
-@needs_packing
+@needs_bf16_arithmetic
 def test_bf16_layer_reads_the_blocks_for_few_rows_where_the_cpu_multiplies_bf16(smollm2_dir):
     """On a CPU with bf16 arithmetic a bf16 layer keeps oneDNN's packed bf16 weight, and
     its calls of up to `BF16_QUANTIZED_MAX_ROWS` rows read the blocks instead (a third of
