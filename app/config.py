@@ -154,7 +154,7 @@ class EngineConfig:
     cpu_quantized_matmul: bool = setting(
         True, "on CPU, matmuls of a few rows (decode) read a GGUF's Q4_1/Q8_0 blocks "
         "through a C++ kernel, multiplying in float32: in float32 the same weights in a "
-        "sixth of the bytes; in bfloat16, calls of up to 6 rows, in a third")
+        "sixth of the bytes; in bfloat16, few-row calls (on AMX, up to 64 rows) in a third")
     int8_activations: bool = setting(
         False, "on CPU, GGUF models in float32: quantize each matmul's input to int8 per "
         "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2); the "

@@ -38,7 +38,10 @@ the whole bf16 weight whatever the rows, the blocks a third of its bytes. Those 
 multiply the GGUF's exact values where oneDNN multiplies them rounded to bf16, so a
 request's tokens can differ between a step of few rows and a larger one, as they can
 between batch sizes in any engine whose kernels change with the shape (docs/benchmarks.md,
-session 15: one row's decode step 19.0 -> 11.3 ms on a Xeon with AMX).
+session 15: one row's decode step 19.0 -> 11.3 ms on a Xeon with AMX). Where the CPU has
+AMX, Q4_1 calls of `AMX_ROWS` rows go to `quant_linear_amx.cpp` instead: the blocks rounded
+to bf16, the bf16 checkpoint's own weights, multiplied on the tile unit (bf16 decode steps
+0.75-0.83x at 4-32 rows).
 
 Results match `F.linear` to rounding. Falls back silently where the op is missing, so
 correctness never depends on it.
@@ -200,13 +203,12 @@ class PackedLinear(nn.Module):
         self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
                                    if int8_activations else block_rows[quantized.format])
         # A bf16 layer on AMX: the blocks on the tile unit for the rows AMX_ROWS gives.
+        amx_rows = (AMX_ROWS.get(quantized.format) if amx and self.quantized is not None
+                    and weight.dtype == torch.bfloat16 else None)
         self._amx_op = (getattr(kernels, f"{quantized.format}_linear_amx", None)
-                        if amx and self.quantized is not None
-                        and weight.dtype == torch.bfloat16 else None)
-        self.amx_rows = AMX_ROWS.get(quantized.format) if self._amx_op else None
-        if self.amx_rows is None:
-            self._amx_op = None
-        else:
+                        if amx_rows else None)
+        self.amx_rows = amx_rows if self._amx_op is not None else None
+        if self.amx_rows is not None:
             self.quantized_max_rows = min(self.quantized_max_rows, self.amx_rows.start - 1)
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
@@ -215,6 +217,11 @@ class PackedLinear(nn.Module):
         # streams half the bytes, and torch's one-row bf16 product is as fast as fp32's).
         self.plain = None if self.quantized is not None else narrow if self.widen \
             else weight if fp32 else None
+
+    @property
+    def block_max_rows(self) -> int:
+        """Calls of up to this many rows read the blocks (widened, or on AMX)."""
+        return self.amx_rows.stop - 1 if self.amx_rows is not None else self.quantized_max_rows
 
     @property
     def nbytes(self) -> int:
@@ -301,7 +308,7 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
                                 or quantized_max_rows(kernels) is None):
         kernels = None  # no blocks: oneDNN's packed weights for every call
     sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
-    count, extra, used = 0, 0, 0
+    count, extra, used, on_amx = 0, 0, 0, 0
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and hasattr(kernels, "amx_usable") and kernels.amx_usable()
@@ -310,13 +317,14 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear:
-        nonlocal count, extra, used
+        nonlocal count, extra, used, on_amx
         q = sources.get(name)
         layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
                              kernels=kernels, int8_activations=int8_activations, widen=widen,
                              amx=amx)
         count += 1
         used += layer.quantized is not None
+        on_amx += layer.amx_rows is not None
         # The layer's copies replace the weight, but for the embedding, still needed for
         # the lookup.
         weight_bytes = weight.numel() * weight.element_size()
@@ -342,9 +350,11 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         else:
             how = (" (multiplied in float32: this CPU has no bfloat16 arithmetic)"
                    if widen and dtype == "bfloat16" else "")
+            tiles = (f", {on_amx} of those on AMX for calls of {AMX_ROWS['q4_1'].start}-"
+                     f"{AMX_ROWS['q4_1'].stop - 1} rows" if on_amx else "")
             log.info("packed %d %s linear weights for oneDNN%s, %d of them also read from "
-                     "their quantized blocks for calls of few rows (%+.2f GiB)", count, dtype,
-                     how, used, extra / 2**30)
+                     "their quantized blocks for calls of few rows%s (%+.2f GiB)", count, dtype,
+                     how, used, tiles, extra / 2**30)
     return extra
 
 
@@ -359,6 +369,6 @@ def quantized_reads(model: nn.Module) -> QuantizedReads | None:
     return QuantizedReads(
         layer_bytes=sum(m.quantized.nbytes for m in layers),
         head_bytes=head_blocks.nbytes if head_blocks is not None else 0,
-        layer_max_rows=min((m.quantized_max_rows for m in layers), default=0),
-        head_max_rows=head.quantized_max_rows if head_blocks is not None else 0,
+        layer_max_rows=min((m.block_max_rows for m in layers), default=0),
+        head_max_rows=head.block_max_rows if head_blocks is not None else 0,
         layer_params=sum(m.in_features * m.out_features for m in layers))
