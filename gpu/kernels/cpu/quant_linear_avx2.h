@@ -37,23 +37,32 @@ inline void store_out8(float* p, int64_t n, __m256 v) {
 // T x rows against C groups of 8 outputs (from group g0) of panel p, scales applied once
 // per block as in quant_linear.cpp's tile_per_block. Sums of q * x for k = j and
 // k = j + 16 go to separate registers: 2 T C independent FMA chains (one would wait on
-// the FMA before it).
+// the FMA before it). Every loop over t and c is unrolled by pragma, so that GCC 12 turns
+// the [T][C] arrays into registers: without it the sums went to the stack and back on
+// every FMA (a store-to-load wait in each chain), and one row ran 1.7x, three or four rows
+// 2.3x this time (benchmarks in docs/benchmarks.md, session 16).
 template <int T, int C, typename W>
 inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64_t xs,
                             const float* x_sums, int64_t ks, float* out, int64_t os,
                             int64_t cols) {
   __m256 acc[T][C];
+#pragma GCC unroll 8
   for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const auto* q = w.levels_at(p, b);
     __m256 lo[T][C], hi[T][C];
+#pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) lo[t][c] = hi[t][c] = _mm256_setzero_ps();
     for (int j = 0; j < 16; ++j) {
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         __m256 ql, qh;
         W::levels8(q, j, g0 + c, ql, qh);
+#pragma GCC unroll 8
         for (int t = 0; t < T; ++t) {
           const float* xr = x + t * xs + b * kBlock + j;
           lo[t][c] = _mm256_fmadd_ps(ql, _mm256_broadcast_ss(xr), lo[t][c]);
@@ -62,14 +71,18 @@ inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64
       }
     }
     const int64_t at = w.at(p, b);
+#pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
         acc[t][c] = w.add_block8(at, g0 + c, _mm256_add_ps(lo[t][c], hi[t][c]),
                                  x_sums[t * ks + b], acc[t][c]);
   }
+#pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     const int64_t n0 = 8 * (g0 + c);
     if (n0 >= cols) break;
+#pragma GCC unroll 8
     for (int t = 0; t < T; ++t) store_out8(out + t * os + n0, cols - n0, acc[t][c]);
   }
 }
