@@ -123,6 +123,7 @@ struct Q4_1 {
   // `at` is the block's first scale, `q` its first level byte (see `at` and `levels_at`).
   inline int64_t at(int64_t p, int64_t b) const { return (p * (K / kBlock) + b) * kPanel; }
   inline const uint8_t* levels_at(int64_t p, int64_t b) const { return qs + at(p, b) * 16; }
+  static constexpr int64_t kLevelBytes = 16 * kPanel;  // one block's levels, a panel's outputs
   // The levels q of weights k = j (lo) and k = j + 16 (hi) of outputs 8g .. 8g+7.
   static inline void levels8(const uint8_t* q, int j, int g, __m256& lo, __m256& hi) {
     const __m256i v = _mm256_cvtepu8_epi32(
@@ -193,6 +194,7 @@ struct Q8_0 {
 #elif defined(__AVX2__) && defined(__FMA__)
   inline int64_t at(int64_t p, int64_t b) const { return (p * (K / kBlock) + b) * kPanel; }
   inline const int8_t* levels_at(int64_t p, int64_t b) const { return qs + at(p, b) * kBlock; }
+  static constexpr int64_t kLevelBytes = kBlock * kPanel;
   static inline __m256 level8(const int8_t* q) {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));

@@ -34,6 +34,19 @@ inline void store_out8(float* p, int64_t n, __m256 v) {
   else if (n > 0) _mm256_maskstore_ps(p, lanes8(n), v);
 }
 
+// The levels of a block kPrefetchBlocks ahead (the next panel's first ones near a panel's
+// end: panels lie one after another) asked into L1 before they are needed. At 1-4 rows the
+// kernel reads weights faster than the hardware prefetcher brings them in: the Q8_0 head
+// (49152 x 576, 1 KB of levels a block) took 0.66-0.89x the time with it at one row and
+// 0.63x at two (2 threads, from DRAM, alternating rounds; level at 8 and 4 blocks ahead
+// too), the Q4_1 shapes (512 bytes a block) 0.9-1.0x.
+constexpr int64_t kPrefetchBlocks = 2;
+template <typename W>
+inline void prefetch_levels(const void* levels) {
+  const char* at = static_cast<const char*>(levels);
+  for (int64_t line = 0; line < W::kLevelBytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+}
+
 // T x rows against C groups of 8 outputs (from group g0) of panel p, scales applied once
 // per block as in quant_linear.cpp's tile_per_block. Sums of q * x for k = j and
 // k = j + 16 go to separate registers: 2 T C independent FMA chains (one would wait on
@@ -52,6 +65,7 @@ inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64
     for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const auto* q = w.levels_at(p, b);
+    if (g0 == 0) prefetch_levels<W>(w.levels_at(p, b + kPrefetchBlocks));
     __m256 lo[T][C], hi[T][C];
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
