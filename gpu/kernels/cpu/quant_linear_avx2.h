@@ -35,7 +35,8 @@ inline void store_out8(float* p, int64_t n, __m256 v) {
 }
 
 // The levels of a block kPrefetchBlocks ahead (the next panel's first ones near a panel's
-// end: panels lie one after another) asked into L1 before they are needed. At 1-4 rows the
+// end: panels lie one after another; past the last panel, addresses a prefetch may name
+// without faulting) asked into L1 before they are needed. At 1-4 rows the
 // kernel reads weights faster than the hardware prefetcher brings them in: the Q8_0 head
 // (49152 x 576, 1 KB of levels a block) took 0.66-0.89x the time with it at one row and
 // 0.63x at two (2 threads, from DRAM, alternating rounds; level at 8 and 4 blocks ahead
@@ -52,8 +53,8 @@ inline void prefetch_levels(const void* levels) {
 // k = j + 16 go to separate registers: 2 T C independent FMA chains (one would wait on
 // the FMA before it). Every loop over t and c is unrolled by pragma, so that GCC 12 turns
 // the [T][C] arrays into registers: without it the sums went to the stack and back on
-// every FMA (a store-to-load wait in each chain), and one row ran 1.7x, three or four rows
-// 2.3x this time (benchmarks in docs/benchmarks.md, session 16).
+// every FMA (a store-to-load wait in each chain), and one row took 1.7x the time, three or
+// four rows 2.3x (docs/benchmarks.md, session 16).
 template <int T, int C, typename W>
 inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64_t xs,
                             const float* x_sums, int64_t ks, float* out, int64_t os,
