@@ -181,3 +181,37 @@ def test_matches_gguf_dequantizer_bit_for_bit() -> None:
     q8 = random_q8_0(37, k)
     ref = dequantize(gguf_blocks_q8_0(*q8), gguf.GGMLQuantizationType.Q8_0)
     assert torch.equal(q8_0(eye, *q8).T, torch.from_numpy(ref))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_one_pass_dequantize_matches_gguf_dequantizer(fp16_scales) -> None:
+    """The load's dequantize (`quant_dequantize.cpp`, behind `cpu_linear.dequantized`) gives
+    the float32 checkpoint's values bit for bit, from GGUF row order; with full fp32 scales
+    too (it rounds the multiply and the add apart, as numpy does)."""
+    from gpu.cpu_linear import dequantized
+
+    for n, k in ((37, 576), (1, 32), (300, 64)):  # rows across the parallel grain
+        q4 = QuantizedWeight("q4_1", *random_q4_1(n, k, fp16_scales=fp16_scales))
+        assert torch.equal(dequantized(q4, KERNELS), dequant_q4_1(q4.qweight, q4.scales, q4.mins))
+        q8 = QuantizedWeight("q8_0", *random_q8_0(n, k), None)
+        assert torch.equal(dequantized(q8, KERNELS), dequant_q8_0(q8.qweight, q8.scales))
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    q4 = QuantizedWeight("q4_1", *random_q4_1(37, 576))
+    ref = dequantize(gguf_blocks_q4_1(q4.qweight, q4.scales, q4.mins),
+                     gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(dequantized(q4, KERNELS), torch.from_numpy(ref))
+    assert torch.equal(dequantized(q4, None), torch.from_numpy(ref))  # eager torch's path
+
+
+@needs_kernels
+def test_one_pass_dequantize_refuses_bad_shapes() -> None:
+    qweight, scales, mins = random_q4_1(4, 64)
+    with pytest.raises(RuntimeError, match="out must be"):
+        KERNELS.q4_1_dequantize(qweight, scales, mins, torch.empty(4, 32))
+    with pytest.raises(RuntimeError, match="mins must be"):
+        KERNELS.q4_1_dequantize(qweight, scales, mins[:, :1], torch.empty(4, 64))
+    with pytest.raises(RuntimeError, match="qweight must be contiguous Char"):
+        KERNELS.q8_0_dequantize(qweight, scales, torch.empty(4, 64))
