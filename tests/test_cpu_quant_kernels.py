@@ -215,3 +215,18 @@ def test_one_pass_dequantize_refuses_bad_shapes() -> None:
         KERNELS.q4_1_dequantize(qweight, scales, mins[:, :1], torch.empty(4, 64))
     with pytest.raises(RuntimeError, match="qweight must be contiguous Char"):
         KERNELS.q8_0_dequantize(qweight, scales, torch.empty(4, 64))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [0, 1, 3, 5, 20, 30])
+def test_bf16_x_is_widened_and_the_sums_rounded_once(m) -> None:
+    """bf16 x (a bf16 layer's calls of few rows): bit for bit what widening x in torch,
+    multiplying in float32 and rounding the sums to bf16 give; x with a row stride too."""
+    wide = torch.randn(m, 2 * 576).bfloat16()
+    q4, q8 = random_q4_1(70, 576), random_q8_0(70, 576)
+    for x in (wide[:, :576].contiguous(), wide[:, 288:864]):
+        out = q4_1(x, *q4)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, 70)
+        assert torch.equal(out.view(torch.int16), q4_1(x.float(), *q4).bfloat16().view(torch.int16))
+        out = q8_0(x, *q8)
+        assert torch.equal(out.view(torch.int16), q8_0(x.float(), *q8).bfloat16().view(torch.int16))
