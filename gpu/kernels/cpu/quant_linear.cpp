@@ -1,4 +1,4 @@
-// x @ W.T on CPU straight from GGUF-quantized weights (Q4_1, Q8_0), fp32 activations.
+// x @ W.T on CPU straight from GGUF-quantized weights (Q4_1, Q8_0), fp32 or bf16 activations.
 //
 // Why: at decode (a few rows of x) a linear layer is memory-bound on its weight. The
 // embedded SmolLM2 ships Q4_1 linears and a Q8_0 LM head; dequantized to fp32 at load
