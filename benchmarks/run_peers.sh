@@ -195,7 +195,7 @@ offline() {
 # minute or two (vLLM's offline run comes between Ridgeline's and its start), and a cold
 # read of torch's libraries or of the weights is not the server's start-up (run 44: the
 # weights evicted, Ridgeline's load took 4.8 s against 1.0-1.7 s warm).
-warm_imports() {
+warm_caches() {
   find "$MODEL_DIR" -type f -exec cat {} + > /dev/null
   case $1 in
     ridgeline) python -c "import app.server.app" ;;
@@ -207,7 +207,7 @@ warm_imports() {
 # and leave it running: the online shapes alternate between the live servers.
 start_server() {
   local pid
-  warm_imports "$1"
+  warm_caches "$1"
   settle
   case $1 in
     ridgeline)
