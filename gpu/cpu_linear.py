@@ -51,14 +51,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.panel_blocks import PanelBlocks, dequantized
 from gpu.roofline import QuantizedReads
-from models.gguf_blocks import BLOCK, QuantizedWeight
+from models.gguf_blocks import QuantizedWeight
+
+T = TypeVar("T")
 
 log = logging.getLogger("ridgeline.cpu_linear")
 
@@ -110,59 +114,6 @@ def quantized_max_rows(kernels, dtype: torch.dtype = torch.float32) -> dict[str,
     return table.get(width)
 
 
-PANEL = 32  # output rows per panel of the kernels' layout
-
-
-@dataclass(frozen=True)
-class PanelBlocks:
-    """One weight's blocks in the C++ kernels' layout (`quant_linear.cpp`): panels of 32
-    output rows, each block's bytes transposed so one load holds a k's weights for the
-    panel's 32 outputs. Rows past `out_features` (to fill the last panel) are zeros."""
-
-    format: str
-    out_features: int
-    tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
-
-    @staticmethod
-    def of(q: QuantizedWeight) -> PanelBlocks:
-        """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
-        into panels: a permutation of the same bytes, done once at load. Scales and
-        mins must be f16 values, as a GGUF stores them: the kernel's exactness rests on
-        it (its Q4_1 widening fuses `d * q + m`, exact only when `d * q` is)."""
-        for name, t in (("scales", q.scales), ("mins", q.mins)):
-            if t is not None and not torch.equal(t, t.half().float()):
-                raise ValueError(f"{q.format} {name} must be f16 values, as in a GGUF file")
-        n, blocks = q.out_features, q.scales.shape[1]
-        panels = -(-n // PANEL)
-
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            pad = panels * PANEL - n
-            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
-
-        per_block = q.qweight.shape[1] // blocks  # bytes: 16 (Q4_1) or 32 (Q8_0)
-        qweight = padded(q.qweight).view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
-        rest = [padded(t).view(panels, PANEL, blocks).permute(0, 2, 1)
-                for t in (q.scales, q.mins) if t is not None]
-        return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:
-    """The float32 weight `q`'s blocks encode, bit for bit as `QuantizedWeight.dequantize`
-    gives it: through the C++ kernels' one parallel pass where they are built
-    (`quant_dequantize.cpp`: 0.13x eager torch's time, the larger part of a widened bf16
-    load), else eager torch."""
-    op = getattr(kernels, f"{q.format}_dequantize", None)
-    if op is None:
-        return q.dequantize()
-    out = torch.empty(q.out_features, q.scales.shape[1] * BLOCK)
-    op(q.qweight, q.scales, *(() if q.mins is None else (q.mins,)), out)
-    return out
-
-
 def _packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                             "_reorder_linear_weight")
@@ -192,7 +143,11 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
-                 int8_activations: bool = False, widen: bool = False, amx: bool = False):
+                 int8_activations: bool = False, widen: bool = False, amx: bool = False,
+                 float32: torch.Tensor | None = None):
+        """`float32`: a widened layer's float32 weight where the caller has it (the
+        checkpoint's, which holds the blocks' values); else it is dequantized from the
+        blocks or widened from `weight`."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
@@ -200,7 +155,8 @@ class PackedLinear(nn.Module):
         self.io_dtype = weight.dtype  # what calls pass in and get back
         narrow = weight if self.widen else None
         if self.widen:
-            weight = (dequantized(quantized, kernels) if quantized is not None
+            weight = (float32 if float32 is not None
+                      else dequantized(quantized, kernels) if quantized is not None
                       else weight.float())
         fp32 = weight.dtype == torch.float32
         # The blocks' rows for this layer's multiply dtype (a bf16 one: few rows only).
@@ -269,20 +225,35 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
-def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
-                       ) -> dict[str, QuantizedWeight]:
-    """Our parameter name -> its quantized blocks, fused parameters stacked from their
-    HF parts in row order (only where every part was kept)."""
-    by_hf = {name.removeprefix("model."): q for name, q in quantized.items()}
+def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]]:
+    """Our parameter name -> the values `by_hf` holds for its HF parts, in row order
+    (a fused parameter only where every part is there)."""
+    by_hf = {name.removeprefix("model."): v for name, v in by_hf.items()}
     layout = model.checkpoint_layout() if hasattr(model, "checkpoint_layout") else {}
     parts: dict[str, list[tuple[int, str]]] = {}
     for hf, (ours, offset, _rows) in layout.items():
         parts.setdefault(ours, []).append((offset, hf))
-    out = {name: q for name, q in by_hf.items() if name not in layout}
+    out = {name: [v] for name, v in by_hf.items() if name not in layout}
     for ours, sources in parts.items():
         if all(hf in by_hf for _, hf in sources):
-            out[ours] = QuantizedWeight.stack([by_hf[hf] for _, hf in sorted(sources)])
+            out[ours] = [by_hf[hf] for _, hf in sorted(sources)]
     return out
+
+
+def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
+                       ) -> dict[str, QuantizedWeight]:
+    """Our parameter name -> its quantized blocks, fused parameters stacked from their
+    HF parts in row order (only where every part was kept)."""
+    return {name: parts[0] if len(parts) == 1 else QuantizedWeight.stack(parts)
+            for name, parts in _by_parameter(model, quantized).items()}
+
+
+def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """A weight's float32 values from its checkpoint parts, where they are stored so
+    (a bf16 checkpoint's are rounded: the blocks hold the exact values then)."""
+    if not parts or any(p.dtype != torch.float32 for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
@@ -306,35 +277,76 @@ def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] |
     return None
 
 
+def _usable(kernels):
+    """The kernels, or None where they have no blocks' paths (oneDNN for every call)."""
+    if kernels is not None and (not hasattr(kernels, "q4_1_linear")
+                                or quantized_max_rows(kernels) is None):
+        return None
+    return kernels
+
+
+def _packable_linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear, str]]:
+    """(parent, attribute, layer, its weight's parameter name) of every linear that
+    `pack_linears` replaces: bias-free, bf16 or fp32, on CPU."""
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None and _packable(child.weight):
+                yield parent, name, child, f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
+
+
+def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | None,
+                      kernels) -> set[str]:
+    """The linear weights a bf16 load need not fill where `pack_linears` widens: a widened
+    layer with blocks takes its float32 weight from the checkpoint (or the blocks) and
+    reads the blocks for few rows, so its bf16 parameter would only be rounded, copied
+    and dropped (0.1-0.2 s of a SmolLM2 start-up). `load_weights(skip=...)` takes this."""
+    kernels = _usable(kernels)
+    if kernels is None or not quantized or multiply_dtype(torch.bfloat16) != torch.float32:
+        return set()
+    sources = _quantized_sources(model, quantized)
+    return {name for _, _, layer, name in _packable_linears(model)
+            if layer.weight.dtype == torch.bfloat16 and _fits(sources.get(name), layer.weight)}
+
+
 def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
-                 kernels=None, int8_activations: bool = False) -> int:
+                 kernels=None, int8_activations: bool = False,
+                 checkpoint: Mapping[str, torch.Tensor] | None = None) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
     a GGUF's blocks by HF name, used with the C++ `kernels` where they fit, with int8
-    activations when asked (the caller checks `int8_unavailable` first).
+    activations when asked (the caller checks `int8_unavailable` first). `checkpoint`:
+    the HF-named tensors as stored; a widened layer with blocks packs its float32 weight
+    from them where they are float32 (the blocks' exact values, read from the mapped
+    file: cheaper than dequantizing the blocks), and then needs no parameter of its own
+    (`params_not_needed`).
 
     Returns the bytes the packed copies add to the weights (negative where blocks alone
     replace fp32 weights, with int8 activations)."""
     if not _packing_available():
         return 0
-    if kernels is not None and (not hasattr(kernels, "q4_1_linear")
-                                or quantized_max_rows(kernels) is None):
-        kernels = None  # no blocks: oneDNN's packed weights for every call
+    kernels = _usable(kernels)
     sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
+    stored = _by_parameter(model, checkpoint) if checkpoint is not None else {}
     count, extra, used, on_amx = 0, 0, 0, 0
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and hasattr(kernels, "amx_usable") and kernels.amx_usable()
 
-    def packable(w: torch.Tensor) -> bool:
-        return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
-
     def pack(weight: torch.Tensor, name: str) -> PackedLinear:
         nonlocal count, extra, used, on_amx
         q = sources.get(name)
-        layer = PackedLinear(weight, quantized=q if _fits(q, weight) else None,
-                             kernels=kernels, int8_activations=int8_activations, widen=widen,
-                             amx=amx)
+        q = q if _fits(q, weight) else None
+        float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
+        if float32 is not None and float32.shape != weight.shape:
+            raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
+                             f"{tuple(float32.shape)}, expected {tuple(weight.shape)}")
+        layer = PackedLinear(weight, quantized=q, kernels=kernels,
+                             int8_activations=int8_activations, widen=widen, amx=amx,
+                             float32=float32)
         count += 1
         used += layer.quantized is not None
         on_amx += layer.amx_rows is not None
@@ -344,14 +356,11 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         extra += layer.nbytes - (0 if name == "embed_tokens.weight" else weight_bytes)
         return layer
 
-    for prefix, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None and packable(child.weight):
-                full = f"{prefix}.{name}" if prefix else name
-                setattr(parent, name, pack(child.weight, f"{full}.weight"))
+    for parent, attr, layer, name in _packable_linears(model):
+        setattr(parent, attr, pack(layer.weight, name))
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and embed is not None \
-            and packable(embed.weight):
+            and _packable(embed.weight):
         model.lm_head = pack(embed.weight, "embed_tokens.weight")
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -196,8 +196,8 @@ class ModelRunner:
             t.shape, device=self.device,
             dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
-        model.load_weights(weights if weights is not None
-                           else iter_safetensors(spec.model_dir, self.dtype))
+        # As stored: views of the mapped files, each converted once as it is copied in.
+        checkpoint = weights if weights is not None else iter_safetensors(spec.model_dir)
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
@@ -214,12 +214,19 @@ class ModelRunner:
             if spec.int8_activations and (why := cpu_linear.int8_unavailable(
                     self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
+            checkpoint = dict(checkpoint)  # by name, for `pack_linears`: views, no copies
+            model.load_weights(checkpoint.items(),
+                               skip=cpu_linear.params_not_needed(model, blocks, kernels))
             # Logs what its packed copies and the blocks add in host memory.
-            cpu_linear.pack_linears(self.model, blocks, kernels, spec.int8_activations)
+            cpu_linear.pack_linears(self.model, blocks, kernels, spec.int8_activations,
+                                    checkpoint)
             block_reads = cpu_linear.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "
                              f"{self.device}")
+        else:
+            model.load_weights(checkpoint)
+        del checkpoint  # the mapped files
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.

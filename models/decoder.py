@@ -21,7 +21,7 @@ Each module states how HF's separate tensors land in its fused ones
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -199,8 +199,13 @@ class DecoderForCausalLM(nn.Module):
             for hf, (ours, offset, rows) in module.checkpoint_layout().items()
         }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors into their (fused) parameters; every row must be set."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     skip: Collection[str] = ()) -> None:
+        """Load HF-named tensors into their (fused) parameters; every row must be set.
+
+        `skip`: parameters left unset (their tensors checked but not copied) for a caller
+        that builds those layers from other sources and replaces them before the model
+        runs (`cpu_linear.params_not_needed`)."""
         params = dict(self.named_parameters())
         layout = self.checkpoint_layout()
         loaded: dict[str, int] = {}
@@ -220,7 +225,8 @@ class DecoderForCausalLM(nn.Module):
                     f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dst.shape)}"
                 )
-            dst.copy_(tensor)
+            if target not in skip:
+                dst.copy_(tensor)  # converts to the parameter's dtype as it copies
             loaded[target] = loaded.get(target, 0) + tensor.shape[0]
         missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
         if missing:

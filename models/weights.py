@@ -39,9 +39,13 @@ def safetensors_files(model_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def iter_safetensors(
-    model_dir: str | os.PathLike[str], dtype: torch.dtype
+    model_dir: str | os.PathLike[str], dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor cast to `dtype`) for every tensor of the checkpoint.
+
+    `dtype` None: each tensor as the file stores it, a view of the mapped file (no copy,
+    nothing read until used). The model's loader copies these into its parameters,
+    converting as it copies: one pass over the bytes instead of a cast and then a copy.
 
     A truncated or corrupt file raises ValueError naming it; safetensors' own errors
     say what is wrong but not which of several shards is at fault.
@@ -58,4 +62,4 @@ def iter_safetensors(
                     tensor = handle.get_tensor(name)
                 except Exception as e:
                     raise ValueError(f"{path}: cannot read tensor {name}: {e}") from e
-                yield name, tensor.to(dtype)
+                yield name, tensor if dtype is None else tensor.to(dtype)

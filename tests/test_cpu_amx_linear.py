@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.cpu_linear import AMX_ROWS, PackedLinear, PanelBlocks, pack_linears
+from gpu.cpu_linear import AMX_ROWS, PackedLinear, pack_linears
 from gpu.kernels.cpu.build import cpu_kernels
+from gpu.panel_blocks import PanelBlocks
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight
 

@@ -141,6 +141,57 @@ def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, 
     assert extra == want
 
 
+@needs_kernels
+@needs_packing
+def test_widened_load_from_the_checkpoint_packs_what_the_blocks_give(smollm2_dir, monkeypatch):
+    """The runner's widened load (`params_not_needed`, `load_weights(skip=...)`,
+    `pack_linears(checkpoint=...)`) packs each layer's float32 weight from the mapped
+    float32 checkpoint, never filling its bf16 parameter: every layer computes what the
+    one packed from the dequantized blocks does, bit for bit, and the rest of the model
+    (embedding, norms) is loaded as before."""
+    from models.config import ModelConfig
+    from models.decoder import DecoderForCausalLM
+
+    monkeypatch.setattr(cpu_linear, "multiply_dtype",
+                        lambda d: torch.float32 if d == torch.bfloat16 else d)
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    blocks = gguf_blocks.load(smollm2_dir)
+
+    def empty_model() -> DecoderForCausalLM:
+        with torch.device("meta"):
+            model = DecoderForCausalLM(cfg, max_positions=64)
+        return model.to_empty(device="cpu").bfloat16()
+
+    old = empty_model()
+    old.load_weights(iter_safetensors(smollm2_dir, torch.bfloat16))
+    old_extra = pack_linears(old, blocks, KERNELS)
+
+    new = empty_model()
+    skip = cpu_linear.params_not_needed(new, blocks, KERNELS)
+    assert len(skip) == 30 * 4 and "embed_tokens.weight" not in skip  # the lookup needs it
+    checkpoint = dict(iter_safetensors(smollm2_dir))
+    assert {t.dtype for t in checkpoint.values()} == {torch.float32}
+    new.load_weights(checkpoint.items(), skip=skip)
+    new_extra = pack_linears(new, blocks, KERNELS, checkpoint=checkpoint)
+
+    assert new_extra == old_extra
+    old_layers = dict(old.named_modules())
+    layers = [(n, m) for n, m in new.named_modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 30 * 4 + 1
+    torch.manual_seed(0)
+    for name, layer in layers:
+        # oneDNN's packed weights are opaque (its own memory, never the mapped file's):
+        # compared through what they compute, past the blocks' rows and within them.
+        assert layer.widen and layer.plain is None and layer.packed.is_mkldnn
+        for rows in (2, 300):
+            x = torch.randn(rows, layer.in_features).bfloat16()
+            assert torch.equal(layer(x), old_layers[name](x)), (name, rows)
+    new_params, old_params = dict(new.named_parameters()), dict(old.named_parameters())
+    assert new_params.keys() == old_params.keys()
+    for name in new_params:
+        assert torch.equal(new_params[name], old_params[name]), name
+
+
 def test_a_bf16_conversion_keeps_the_blocks(smollm2_dir):
     """The embedded model converted for `--dtype bfloat16` keeps the blocks too: the
     widened layers read them, and they hold the float32 entry's values exactly (the bf16

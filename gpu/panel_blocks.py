@@ -1,0 +1,65 @@
+"""A GGUF's blocks in the layout the C++ CPU kernels read, and the float32 weight they encode.
+
+`gpu/cpu_linear.py` keeps these per packed layer: the panels for calls of few rows, the
+dequantized weight to pack for oneDNN where nothing else holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.gguf_blocks import BLOCK, QuantizedWeight
+
+PANEL = 32  # output rows per panel of the kernels' layout
+
+
+@dataclass(frozen=True)
+class PanelBlocks:
+    """One weight's blocks in the C++ kernels' layout (`quant_linear.cpp`): panels of 32
+    output rows, each block's bytes transposed so one load holds a k's weights for the
+    panel's 32 outputs. Rows past `out_features` (to fill the last panel) are zeros."""
+
+    format: str
+    out_features: int
+    tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
+
+    @staticmethod
+    def of(q: QuantizedWeight) -> PanelBlocks:
+        """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
+        into panels: a permutation of the same bytes, done once at load. Scales and
+        mins must be f16 values, as a GGUF stores them: the kernel's exactness rests on
+        it (its Q4_1 widening fuses `d * q + m`, exact only when `d * q` is)."""
+        for name, t in (("scales", q.scales), ("mins", q.mins)):
+            if t is not None and not torch.equal(t, t.half().float()):
+                raise ValueError(f"{q.format} {name} must be f16 values, as in a GGUF file")
+        n, blocks = q.out_features, q.scales.shape[1]
+        panels = -(-n // PANEL)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            pad = panels * PANEL - n
+            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+        per_block = q.qweight.shape[1] // blocks  # bytes: 16 (Q4_1) or 32 (Q8_0)
+        qweight = padded(q.qweight).view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
+        rest = [padded(t).view(panels, PANEL, blocks).permute(0, 2, 1)
+                for t in (q.scales, q.mins) if t is not None]
+        return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:
+    """The float32 weight `q`'s blocks encode, bit for bit as `QuantizedWeight.dequantize`
+    gives it: through the C++ kernels' one parallel pass where they are built
+    (`quant_dequantize.cpp`: 0.13x eager torch's time), else eager torch. A widened bf16
+    layer uses it where its checkpoint holds no float32 values (a bf16 conversion)."""
+    op = getattr(kernels, f"{q.format}_dequantize", None)
+    if op is None:
+        return q.dequantize()
+    out = torch.empty(q.out_features, q.scales.shape[1] * BLOCK)
+    op(q.qweight, q.scales, *(() if q.mins is None else (q.mins,)), out)
+    return out
