@@ -117,7 +117,7 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, m: int) -> float:
 def _int8_matmul_seconds(kernels, m: int) -> float:
     """An m x m x m matmul as `--int8-activations` runs it: x quantized to int8 against
     Q4_1 blocks (random levels; f16 scales, as `PanelBlocks` requires)."""
-    from gpu.cpu_linear import PanelBlocks
+    from gpu.panel_blocks import PanelBlocks
     from models.gguf_blocks import QuantizedWeight
 
     blocks = m // 32
