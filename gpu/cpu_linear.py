@@ -257,10 +257,16 @@ def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
 
 
 def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
-    if q is None:
+    return q is not None and _parts_fit([q], weight)
+
+
+def _parts_fit(parts: list[QuantizedWeight] | None, weight: torch.Tensor) -> bool:
+    """Whether blocks stacked from `parts` (one format) would hold `weight`'s shape."""
+    if not parts or len({p.format for p in parts}) != 1:
         return False
-    k = q.qweight.shape[1] * (2 if q.format == "q4_1" else 1)
-    return (q.out_features, k) == tuple(weight.shape)
+    k = parts[0].qweight.shape[1] * (2 if parts[0].format == "q4_1" else 1)
+    return all(p.qweight.shape[1] == parts[0].qweight.shape[1] for p in parts) \
+        and (sum(p.out_features for p in parts), k) == tuple(weight.shape)
 
 
 def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
@@ -307,9 +313,10 @@ def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | 
     kernels = _usable(kernels)
     if kernels is None or not quantized or multiply_dtype(torch.bfloat16) != torch.float32:
         return set()
-    sources = _quantized_sources(model, quantized)
+    parts = _by_parameter(model, quantized)  # not stacked: `pack_linears` stacks them
     return {name for _, _, layer, name in _packable_linears(model)
-            if layer.weight.dtype == torch.bfloat16 and _fits(sources.get(name), layer.weight)}
+            if layer.weight.dtype == torch.bfloat16
+            and _parts_fit(parts.get(name), layer.weight)}
 
 
 def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
