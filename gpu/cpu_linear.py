@@ -243,9 +243,11 @@ def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]
 def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
                        ) -> dict[str, QuantizedWeight]:
     """Our parameter name -> its quantized blocks, fused parameters stacked from their
-    HF parts in row order (only where every part was kept)."""
+    HF parts in row order (only where every part was kept, in one format: a GGUF may
+    quantize v_proj apart from q and k, and such a layer reads its float32 weight)."""
     return {name: parts[0] if len(parts) == 1 else QuantizedWeight.stack(parts)
-            for name, parts in _by_parameter(model, quantized).items()}
+            for name, parts in _by_parameter(model, quantized).items()
+            if len({p.format for p in parts}) == 1}
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:

@@ -142,3 +142,31 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     saved = [blocks.decode(rows, 100).bytes_read - dense.decode(rows, 100).bytes_read
              for rows in (most["q8_0"], most["q8_0"] + 1)]
     assert saved == [layers_saved + head_saved, layers_saved]  # the head dense past its rows
+
+
+def q8_0_of(w: torch.Tensor) -> gguf_blocks.QuantizedWeight:
+    """`w` as Q8_0 blocks (one scale per 32 weights), for a GGUF that mixes formats."""
+    blocks = w.view(w.shape[0], -1, gguf_blocks.BLOCK)
+    scales = blocks.abs().amax(-1).clamp_min(1e-8) / 127
+    levels = torch.round(blocks / scales[..., None]).to(torch.int8)
+    return gguf_blocks.QuantizedWeight("q8_0", levels.view(w.shape), scales, None)
+
+
+@needs_kernels
+def test_fused_parts_in_mixed_formats_read_the_float32_weight(smollm2_dir):
+    """A GGUF that quantizes v_proj in Q8_0 beside Q4_1 q and k: qkv_proj cannot stack
+    blocks of two formats, so that layer runs without blocks on its float32 weight (the
+    load does not fail), and the layers whose parts agree still read theirs."""
+    model = load_model(smollm2_dir)
+    blocks = gguf_blocks.load(smollm2_dir)
+    v = "model.layers.3.self_attn.v_proj.weight"
+    assert blocks[v].format == "q4_1"
+    blocks[v] = q8_0_of(blocks[v].dequantize())
+    weight = model.layers[3].self_attn.qkv_proj.weight.detach().clone()
+    pack_linears(model, blocks, KERNELS)
+    qkv = model.layers[3].self_attn.qkv_proj
+    assert qkv.quantized is None
+    assert model.layers[3].mlp.gate_up_proj.quantized is not None
+    assert model.layers[4].self_attn.qkv_proj.quantized is not None
+    x = torch.randn(2, 576)
+    torch.testing.assert_close(qkv(x), x @ weight.T, atol=1e-4, rtol=1e-4)
