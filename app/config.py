@@ -113,7 +113,9 @@ class CacheConfig:
                                           "already computed (automatic prefix caching)")
     kv_events_config: str | None = setting(
         None, "publish prefix-cache events for vllm-router's kv_aware policy; vLLM's JSON, "
-        "e.g. {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}")
+        "e.g. {\"enable_kv_cache_events\": true}. The socket is unauthenticated and carries "
+        "prompt tokens: it binds tcp://127.0.0.1:5557 unless \"endpoint\" names another "
+        "address (an interface a remote router reaches, or tcp://*:5557 for all)")
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # '2GiB' from a flag or a caller

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
+from app.engine.kv_events import KVEventsConfig, exposure_warning
 from app.server import native, openai
 from app.server.errors import APIError, api_error
 from app.server.http_protocol import with_header_timeout
@@ -200,6 +201,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
               core: EngineCore | None = None) -> Starlette:
     """The ASGI app. `core` may be passed pre-built (tests); else it loads on startup."""
     st = State(config, settings)
+    _warn_if_events_exposed(config, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -214,6 +216,16 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
     return app
+
+
+def _warn_if_events_exposed(config: EngineConfig, settings: ServerSettings) -> None:
+    try:
+        events = KVEventsConfig.parse(config.cache.kv_events_config)
+    except ValueError:
+        return  # the engine's load reports it
+    warning = exposure_warning(events, bool(settings.api_key))
+    if warning is not None:
+        log.log(*warning)
 
 
 async def _load(st: State, prebuilt: EngineCore | None) -> None:
