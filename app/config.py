@@ -214,6 +214,10 @@ class ServerSettings:
 
     host: str = setting("127.0.0.1", "address to listen on", env="RIDGELINE_HOST")
     port: int = setting(8000, "port to listen on", env="RIDGELINE_PORT")
+    allowed_hosts: str | None = setting(
+        None, "comma-separated Host names served besides loopback ones (*.example.com "
+        "matches subdomains; * turns the check off). On a loopback --host any other Host "
+        "gets 400, against DNS rebinding; on other addresses the check needs this list")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on every route "
                                   "but /health and /metrics", env="RIDGELINE_API_KEY")
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",

@@ -32,6 +32,7 @@ from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
 from app.server import native, openai
 from app.server.errors import APIError, api_error
+from app.server.hosts import HostCheckMiddleware
 from app.server.http_protocol import with_header_timeout
 from app.server.request_id import HEADER, RequestIdMiddleware
 from app.server.state import State, state
@@ -212,7 +213,9 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             await st.engine.stop()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
-                    middleware=[Middleware(RequestIdMiddleware)],
+                    middleware=[Middleware(RequestIdMiddleware),
+                                Middleware(HostCheckMiddleware, listen_host=settings.host,
+                                           allowed_hosts=settings.allowed_hosts)],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
     return app
