@@ -220,6 +220,10 @@ class ServerSettings:
         "gets 400, against DNS rebinding; on other addresses the check needs this list")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on every route "
                                   "but /health and /metrics", env="RIDGELINE_API_KEY")
+    admin_api_key: str | None = setting(
+        None, "the operator's key (SGLang's flag): required on /reset_prefix_cache when set, "
+        "accepted on every route, and the only key that lets /abort_request abort by a "
+        "client-chosen id or abort_all", env="RIDGELINE_ADMIN_API_KEY")
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
                                   flags=("--max-request-body-bytes",))
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
