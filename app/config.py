@@ -113,7 +113,9 @@ class CacheConfig:
                                           "already computed (automatic prefix caching)")
     kv_events_config: str | None = setting(
         None, "publish prefix-cache events for vllm-router's kv_aware policy; vLLM's JSON, "
-        "e.g. {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}")
+        "e.g. {\"enable_kv_cache_events\": true}. The socket is unauthenticated and carries "
+        "prompt tokens: it binds tcp://127.0.0.1:5557 unless \"endpoint\" names another "
+        "address (an interface a remote router reaches, or tcp://*:5557 for all)")
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # '2GiB' from a flag or a caller
@@ -212,8 +214,16 @@ class ServerSettings:
 
     host: str = setting("127.0.0.1", "address to listen on", env="RIDGELINE_HOST")
     port: int = setting(8000, "port to listen on", env="RIDGELINE_PORT")
+    allowed_hosts: str | None = setting(
+        None, "comma-separated Host names served besides loopback ones (*.example.com "
+        "matches subdomains; * turns the check off). On a loopback --host any other Host "
+        "gets 400, against DNS rebinding; on other addresses the check needs this list")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on every route "
                                   "but /health and /metrics", env="RIDGELINE_API_KEY")
+    admin_api_key: str | None = setting(
+        None, "the operator's key (SGLang's flag): required on /reset_prefix_cache when set, "
+        "accepted on every route, and the only key that lets /abort_request abort by a "
+        "client-chosen id or abort_all", env="RIDGELINE_ADMIN_API_KEY")
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
                                   flags=("--max-request-body-bytes",))
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "

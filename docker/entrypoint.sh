@@ -4,8 +4,8 @@
 # come after the mapped ones, so they win. docker/README.md documents every variable and
 # tests/test_docker.py checks that each flag below exists in `ridgeline serve --help`.
 #
-# RIDGELINE_API_KEY and RIDGELINE_CACHE_DIR are read by Ridgeline itself, not mapped here:
-# a key passed as a flag would show in the process list.
+# RIDGELINE_API_KEY, RIDGELINE_ADMIN_API_KEY and RIDGELINE_CACHE_DIR are read by Ridgeline
+# itself, not mapped here: a key passed as a flag would show in the process list.
 set -euo pipefail
 
 # VARIABLE=--flag, one per line.
@@ -26,6 +26,7 @@ MAPPING=(
   RIDGELINE_SHUTDOWN_TIMEOUT=--shutdown-timeout
   RIDGELINE_LOG_STATS_INTERVAL=--log-stats-interval
   RIDGELINE_MAX_REQUEST_BODY_BYTES=--max-request-body-bytes
+  RIDGELINE_ALLOWED_HOSTS=--allowed-hosts
 )
 
 args=(--host "${RIDGELINE_HOST:-0.0.0.0}" --port "${RIDGELINE_PORT:-8000}")

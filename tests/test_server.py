@@ -296,15 +296,20 @@ def test_native_endpoints(server):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            task = asyncio.create_task(_stream(s, server.url + "/generate", {
-                "text": "Hello", "rid": "abort-me", "stream": True,
-                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}))
-            for _ in range(200):
-                await asyncio.sleep(0.01)
-                r = await s.post(server.url + "/abort_request", json={"rid": "abort-me"})
-                if (await r.json())["aborted"]:
-                    break
-            return await task
+            events = []
+            async with s.post(server.url + "/generate", json={
+                    "text": "Hello", "stream": True,
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}) as resp:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    events.append(line[5:].strip())
+                    if len(events) == 1:  # abort by the id the server answered with
+                        rid = json.loads(events[0])["meta_info"]["id"]
+                        r = await s.post(server.url + "/abort_request", json={"rid": rid})
+                        assert (await r.json())["aborted"]
+            return events
 
     events = asyncio.run(main())
     last = json.loads(events[-2])

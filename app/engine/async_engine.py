@@ -59,15 +59,26 @@ class RequestGroup:
         return self.remaining == 0
 
 
+def _labelled(stream: RequestStream) -> dict[str, str]:
+    """The client's own id, for the request's log lines."""
+    return {} if stream.label is None else {"client_request_id": stream.label}
+
+
 class RequestStream:
     """What a caller iterates: the request's deltas, ending with a finished one.
 
     It keeps the caller's context (`contextvars`), so the engine's log lines about the
-    request carry what the caller bound for its logs (the server binds x_request_id)."""
+    request carry what the caller bound for its logs (the server binds x_request_id).
+    `call_id` names every sequence of one client call (its n choices, its prompts): what
+    the caller was given to abort it by; `label` is the id the client chose, if any, which
+    names nothing in the engine (two clients may choose the same)."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, max_tokens: int = 0,
-                 group: RequestGroup | None = None):
+                 group: RequestGroup | None = None, call_id: str | None = None,
+                 label: str | None = None):
         self.request_id = request_id
+        self.call_id = call_id or request_id
+        self.label = label
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._engine = engine
         self.last_token_time: float | None = None
@@ -174,10 +185,12 @@ class AsyncEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    slo: RequestSLO | None = None, group: RequestGroup | None = None
-                    ) -> RequestStream:
+                    slo: RequestSLO | None = None, group: RequestGroup | None = None,
+                    call_id: str | None = None, label: str | None = None) -> RequestStream:
         """Queue a request; raises InvalidParameter / QueueFull / EngineDead synchronously.
-        `group`: the n sequences of one client request this one belongs to (metrics)."""
+        `group`: the n sequences of one client request this one belongs to (metrics);
+        `call_id`, `label`: see RequestStream. The server generates `request_id`: an id a
+        client chose would let it abort or squat another client's request."""
         if self.dead is not None:
             raise EngineDead(f"engine is not running: {self.dead!r}")
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -188,7 +201,7 @@ class AsyncEngine:
         except QueueFull as e:
             self.metrics.admission_rejected(e.reason)
             raise
-        stream = RequestStream(self, rid, params.max_tokens, group)
+        stream = RequestStream(self, rid, params.max_tokens, group, call_id, label)
         self._streams[rid] = stream
         self._wakeup.set()
         return stream
@@ -198,6 +211,17 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         async for out in self.add_request(prompt_token_ids, params, request_id, priority):
             yield out
+
+    def abort_call(self, call_id: str, by_label: bool = False) -> int:
+        """Abort every live sequence of the call `call_id` names (or the one sequence whose
+        engine id it is); with `by_label`, also every one whose client chose that id.
+        Returns how many were aborted."""
+        ids = [rid for rid, s in self._streams.items()
+               if rid == call_id or s.call_id == call_id or (by_label and s.label == call_id)]
+        return sum(self.abort(rid) for rid in ids)
+
+    def abort_all(self) -> int:
+        return sum(self.abort(rid) for rid in list(self._streams))
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request. One that already finished keeps its stream: its final
@@ -210,7 +234,8 @@ class AsyncEngine:
         if stream is None:
             log.info("request aborted", extra={"request_id": request_id})
         else:  # in its caller's context, as `request finished`
-            stream.context.run(log.info, "request aborted", extra={"request_id": request_id})
+            stream.context.run(log.info, "request aborted",
+                               extra={"request_id": request_id} | _labelled(stream))
             self._end_of_sequence(stream, out)
             if not stream.finished:
                 stream.finished = True
@@ -324,7 +349,7 @@ class AsyncEngine:
             extra={"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
                    "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
                    "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
-                   "preemptions": m.num_preemptions},
+                   "preemptions": m.num_preemptions} | _labelled(stream),
         )
 
     def _end_of_sequence(self, stream: RequestStream, out: RequestOutput) -> None:

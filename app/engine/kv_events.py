@@ -15,12 +15,19 @@ events and their transport are vLLM's (`vllm/distributed/kv_events.py`):
 The router indexes by token ids; block names only have to be stable and unique,
 which the block manager's hash chain is (as unsigned 64-bit integers here).
 
-Enabled with `--kv-events-config '{"enable_kv_cache_events": true, "publisher":
-"zmq", "endpoint": "tcp://*:5557"}'` (vLLM's flag and keys).
+Enabled with `--kv-events-config '{"enable_kv_cache_events": true}'` (vLLM's flag and
+keys). The socket has no authentication and its `BlockStored` events carry every
+client's prompt tokens, so it binds loopback (`tcp://127.0.0.1:5557`) unless the
+endpoint names another address: a router on another host needs the address of an
+interface it reaches (`"endpoint": "tcp://10.0.0.5:5557"`), and all interfaces
+(`tcp://*:5557`, vLLM's default) must be asked for by name. The server logs a warning
+for any endpoint beyond loopback (`exposure_warning`), an error when `--api-key` is
+set, since the key does not guard this socket.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
@@ -30,6 +37,7 @@ from typing import Any
 log = logging.getLogger("ridgeline.kv_events")
 
 U64 = (1 << 64) - 1
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # vLLM's port; loopback, not vLLM's `*`
 
 
 def unsigned(name: int | None) -> int | None:
@@ -40,7 +48,7 @@ def unsigned(name: int | None) -> int | None:
 class KVEventsConfig:
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = DEFAULT_ENDPOINT
     topic: str = ""
 
     @classmethod
@@ -56,6 +64,39 @@ class KVEventsConfig:
             raise ValueError(f"--kv-events-config: publisher must be zmq or null, "
                              f"got {config.publisher!r}")
         return config
+
+
+def reach(endpoint: str) -> str:
+    """Who can subscribe: "local" (ipc, inproc, loopback), "interface" (one address or
+    interface name: the hosts that reach it) or "all" (every interface)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return "local"
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("*", "0.0.0.0", "::"):
+        return "all"
+    if host == "localhost":
+        return "local"
+    try:
+        return "local" if ipaddress.ip_address(host).is_loopback else "interface"
+    except ValueError:  # an interface name (eth0) or a host name
+        return "interface"
+
+
+def exposure_warning(config: KVEventsConfig, api_key_set: bool) -> tuple[int, str] | None:
+    """The log level and line for an event socket that other hosts can subscribe to."""
+    if not config.enable_kv_cache_events or config.publisher != "zmq":
+        return None
+    where = reach(config.endpoint)
+    if where == "local":
+        return None
+    scope = "every interface" if where == "all" else "a non-loopback address"
+    line = (f"KV-cache events are published on {config.endpoint} ({scope}): the socket is "
+            "unauthenticated and its events carry the token ids of every client's prompt; "
+            "any host that reaches the port can read them")
+    if api_key_set:
+        return logging.ERROR, line + ". --api-key does not protect this socket"
+    return logging.WARNING, line
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import json
 import logging
 import time
@@ -29,8 +28,11 @@ from starlette.routing import Route
 from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
+from app.engine.kv_events import KVEventsConfig, exposure_warning
 from app.server import native, openai
+from app.server.auth import authorize
 from app.server.errors import APIError, api_error
+from app.server.hosts import HostCheckMiddleware
 from app.server.http_protocol import with_header_timeout
 from app.server.request_id import HEADER, RequestIdMiddleware
 from app.server.state import State, state
@@ -86,21 +88,14 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _authorize(request: Request, key: str | None) -> None:
-    if not key:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "missing or invalid API key", None, "authentication_error",
-                       "invalid_api_key")
-
-
-def endpoint(handler: Handler, needs_body: bool = True) -> Callable[[Request], Awaitable[Response]]:
-    """Every route but /health and /metrics: API key, readiness, body, error mapping."""
+def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False
+             ) -> Callable[[Request], Awaitable[Response]]:
+    """Every route but /health and /metrics: API key (the admin key for an `operator`
+    route, `auth.py`), readiness, body, error mapping."""
     async def route(request: Request) -> Response:
         st = state(request)
         try:
-            _authorize(request, st.settings.api_key)
+            authorize(request, st.settings, operator)
             st.ready_engine()
             body = None
             if needs_body:
@@ -190,8 +185,8 @@ ROUTES = [
     Route("/tokenizer_info", endpoint(native.tokenizer_info, needs_body=False),
           methods=["GET"]),
     Route("/abort_request", endpoint(native.abort_request), methods=["POST"]),
-    Route("/reset_prefix_cache", endpoint(reset_prefix_cache, needs_body=False),
-          methods=["POST"]),
+    Route("/reset_prefix_cache", endpoint(reset_prefix_cache, needs_body=False,
+                                          operator=True), methods=["POST"]),
     Route("/plan", endpoint(plan, needs_body=False), methods=["GET"]),
 ]
 
@@ -200,6 +195,7 @@ def build_app(config: EngineConfig, settings: ServerSettings,
               core: EngineCore | None = None) -> Starlette:
     """The ASGI app. `core` may be passed pre-built (tests); else it loads on startup."""
     st = State(config, settings)
+    _warn_if_events_exposed(config, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -210,10 +206,22 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             await st.engine.stop()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
-                    middleware=[Middleware(RequestIdMiddleware)],
+                    middleware=[Middleware(RequestIdMiddleware),
+                                Middleware(HostCheckMiddleware, listen_host=settings.host,
+                                           allowed_hosts=settings.allowed_hosts)],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
     return app
+
+
+def _warn_if_events_exposed(config: EngineConfig, settings: ServerSettings) -> None:
+    try:
+        events = KVEventsConfig.parse(config.cache.kv_events_config)
+    except ValueError:
+        return  # the engine's load reports it
+    warning = exposure_warning(events, bool(settings.api_key))
+    if warning is not None:
+        log.log(*warning)
 
 
 async def _load(st: State, prebuilt: EngineCore | None) -> None:

@@ -8,6 +8,7 @@ SGLang's names mapped to ours) and answers with SGLang's shape: cumulative
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
+from app.server.auth import is_admin
 from app.server.errors import APIError, parse, parse_params
 from app.server.logprobs import output_entries, prompt_entries
 from app.server.protocol import (
@@ -41,13 +43,14 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
     params = parse_params(lambda: req.sampling_params.to_params(
         structured=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
         "sampling_params")
-    (stream,) = queue_all(request, [ids], params, 0, req.rid)
+    call_id = uuid.uuid4().hex  # SGLang's rids are bare hex
+    (stream,) = queue_all(request, [ids], params, 0, call_id, req.rid)
 
     def result(out: RequestOutput, text: str, output_ids: list[int], entries: list) -> dict:
         reason = None
         if out.finished:
             reason = {"type": out.finish_reason, "matched": out.stop_reason}
-        meta = {"id": out.request_id, "prompt_tokens": len(ids),
+        meta = {"id": req.rid or call_id, "prompt_tokens": len(ids),
                 "completion_tokens": len(output_ids), "finish_reason": reason}
         if req.return_logprob:  # SGLang's triples: [logprob, token id, text (None)]
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp, _ in entries]
@@ -102,8 +105,24 @@ async def detokenize(request: Request, body: dict) -> JSONResponse:
 
 
 async def abort_request(request: Request, body: dict) -> JSONResponse:
+    """SGLang's abort, where a client cannot abort what is not its own.
+
+    `rid` is the id a call was answered with when the client chose none (OpenAI's `id`,
+    SGLang's `meta_info.id`): the server's, unguessable, so whoever holds it is the owner
+    or was given it. An id a client chose (`request_id`, `rid`) is only a label: it aborts
+    the requests that carry it, and `abort_all` aborts everything, only for a caller with
+    `--admin-api-key`. A client that leaves aborts its own requests without any of this."""
     req = parse(AbortRequest, body)
-    return JSONResponse({"rid": req.rid, "aborted": engine(request).abort(req.rid)})
+    admin = is_admin(request)
+    if req.abort_all:
+        if not admin:
+            raise APIError(403, "abort_all needs the admin key (--admin-api-key)",
+                           "abort_all", "permission_error", "admin_key_required")
+        return JSONResponse({"rid": req.rid, "aborted": engine(request).abort_all() > 0})
+    if not req.rid:
+        raise APIError(400, "give the rid to abort, or abort_all", "rid")
+    aborted = engine(request).abort_call(req.rid, by_label=admin)
+    return JSONResponse({"rid": req.rid, "aborted": aborted > 0})
 
 
 async def tokenizer_info(request: Request, body: None) -> JSONResponse:

@@ -45,6 +45,12 @@ async def models(request: Request, body: None) -> JSONResponse:
         "max_model_len": core.max_model_len}]})
 
 
+def response_id(prefix: str, call_id: str, request_id: str | None) -> str:
+    """The response's `id`: built from the client's `request_id` when it sent one, as
+    vLLM's is; else the call's id, which `/abort_request` takes."""
+    return f"{prefix}-{request_id}" if request_id else call_id
+
+
 # -- /v1/completions ---------------------------------------------------------------------
 
 
@@ -71,9 +77,10 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
         req.logprobs, req.logprobs if req.echo and req.logprobs is not None else None,
         structured=await compiled(request, from_openai(req)),
         defaults=engine(request).core.generation_defaults)
-    streams = queue_all(request, prompts, params, req.priority, req.request_id)
+    call_id, created = new_id("cmpl"), now()
+    streams = queue_all(request, prompts, params, req.priority, call_id, req.request_id)
     n = params.n
-    rid, created = new_id("cmpl"), now()
+    rid = response_id("cmpl", call_id, req.request_id)
     prompt_texts = [await inputs.detokenize(p) for p in prompts] if req.echo else None
 
     def chunk(choices: list[dict], **extra) -> dict:
@@ -151,8 +158,9 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, len(prompt)), top,
                                  structured=so, defaults=engine(request).core.generation_defaults)
-    streams = queue_all(request, [prompt], params, req.priority, req.request_id)
-    rid, created = new_id("chatcmpl"), now()
+    call_id, created = new_id("chatcmpl"), now()
+    streams = queue_all(request, [prompt], params, req.priority, call_id, req.request_id)
+    rid = response_id("chatcmpl", call_id, req.request_id)
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created,

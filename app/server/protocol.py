@@ -334,7 +334,10 @@ class DetokenizeRequest(Body):
 
 
 class AbortRequest(Body):
-    rid: str
+    """SGLang's body: a call's id, or every request (`abort_all`, admin only)."""
+
+    rid: str | None = Field(None, max_length=256)
+    abort_all: bool = False
 
 
 def new_id(prefix: str) -> str:

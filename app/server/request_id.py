@@ -26,11 +26,14 @@ MAX_LEN = 128
 _SANE = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_LEN}}}")
 
 
+def is_sane(given: str | None) -> bool:
+    """An id a log line may carry verbatim."""
+    return given is not None and _SANE.fullmatch(given) is not None
+
+
 def choose_request_id(given: str | None) -> str:
     """The client's id when it is sane, else a fresh one."""
-    if given is not None and _SANE.fullmatch(given):
-        return given
-    return uuid.uuid4().hex
+    return given if is_sane(given) else uuid.uuid4().hex
 
 
 class RequestIdMiddleware:

@@ -23,6 +23,7 @@ from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.server.deadlines import request_slo
 from app.server.errors import APIError, error_body
+from app.server.request_id import is_sane
 from app.server.state import state
 
 
@@ -31,13 +32,18 @@ class ClientDisconnected(Exception):
 
 
 def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams,
-              priority: int, request_id: str | None) -> list[RequestStream]:
+              priority: int, call_id: str, label: str | None) -> list[RequestStream]:
     """Queue every prompt `params.n` times, or none: a failure aborts the ones queued.
 
     Choice `i * n + j` is prompt i's j-th sample (OpenAI's and vLLM's order). Each is
     its own sequence with its own sampling stream (a seed becomes seed + j, so seeded
     choices are reproducible and differ); they share the prompt's KV blocks through
-    the prefix cache."""
+    the prefix cache.
+
+    Engine ids are the server's: `call_id` (unguessable: `protocol.new_id`) for the
+    first sequence, `call_id-i` for the others, and `/abort_request` takes `call_id`.
+    The client's own `request_id`/`rid` is only a `label` for the log lines (when
+    sane, like `x-request-id`) and the admin's abort: two clients may send the same."""
     st = state(request)
     engine, slo = st.engine, request_slo(request, st.settings)
     n = params.n
@@ -49,9 +55,9 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
                 index = i * n + j
                 child = params if n == 1 else replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
-                rid = None if request_id is None else (
-                    request_id if index == 0 else f"{request_id}-{index}")
-                streams.append(engine.add_request(ids, child, rid, priority, slo, group))
+                rid = call_id if index == 0 else f"{call_id}-{index}"
+                streams.append(engine.add_request(ids, child, rid, priority, slo, group,
+                                                  call_id, label if is_sane(label) else None))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)

@@ -1,0 +1,50 @@
+"""Who may call what: `--api-key` for clients, `--admin-api-key` for the operator.
+
+SGLang's split. Client routes (generation, tokens, models, `/plan`) take the API key
+when one is set, or the admin key. Operator routes act on every client's work:
+`/reset_prefix_cache` (all cached prefixes; also a timing oracle for what others sent),
+and the cross-client part of `/abort_request` (abort by a client-chosen id, or
+`abort_all`). With `--admin-api-key` set, an operator route wants that key: none or a
+wrong one is a 401, the client key a 403. Without it, operator routes take the client
+key as before, but the cross-client aborts are refused: only an admin key grants them.
+`/health` and `/metrics` stay open (probes and scrapers carry no key).
+
+Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import Request
+
+from app.config import ServerSettings
+from app.server.errors import APIError
+
+
+def _matches(given: str, key: str | None) -> bool:
+    return bool(key) and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+def authorize(request: Request, settings: ServerSettings, operator: bool = False) -> None:
+    """Raise the 401/403 this request earns; note on it whether it carries the admin key."""
+    given = request.headers.get("authorization", "")
+    admin = _matches(given, settings.admin_api_key)
+    request.state.admin = admin
+    if admin:
+        return
+    client = _matches(given, settings.api_key)
+    if operator and settings.admin_api_key:
+        if client:
+            raise APIError(403, f"{request.url.path} is an operator route: it needs the "
+                           "admin key", None, "permission_error", "admin_key_required")
+        raise APIError(401, "missing or invalid admin API key", None, "authentication_error",
+                       "invalid_api_key")
+    if settings.api_key and not client:
+        raise APIError(401, "missing or invalid API key", None, "authentication_error",
+                       "invalid_api_key")
+
+
+def is_admin(request: Request) -> bool:
+    """Whether the request carried `--admin-api-key` (never true when none is set)."""
+    return getattr(request.state, "admin", False)
