@@ -103,9 +103,10 @@ short = st.text(max_size=12)
 odd = st.one_of(json_values, st.just({}), st.just([]), st.just(""))
 
 
-def some(valid, weird=odd):
-    """Mostly well-formed values, with odd ones mixed in (anything JSON can hold)."""
-    return st.one_of(valid, valid, valid, weird)
+def some(valid, weird=odd, weight: int = 8):
+    """Mostly well-formed values (`weight` to 1), with odd ones mixed in (anything JSON
+    can hold): each level of a structure is odd now and then, the whole often valid."""
+    return st.sampled_from(range(weight + 1)).flatmap(lambda i: weird if i == weight else valid)
 
 
 schemas = st.recursive(
@@ -142,7 +143,7 @@ messages = st.lists(some(st.fixed_dictionaries(
                   st.sampled_from(["function", "", "ROBOT", None, 5])),
      "content": contents},
     optional={"tool_calls": tool_calls, "tool_call_id": some(short), "name": some(short),
-              "reasoning_content": odd})), min_size=0, max_size=5)
+              "reasoning_content": odd})), min_size=1, max_size=5)
 tools = st.lists(some(st.fixed_dictionaries(
     {"type": some(st.just("function")),
      "function": some(st.fixed_dictionaries(
@@ -194,7 +195,8 @@ def nested_requests(draw):
     if path == "/generate":
         name, value = draw(st.sampled_from([("regex", regexes), ("ebnf", grammars),
                                             ("json_schema", schemas.map(json.dumps)),
-                                            ("json_schema", odd), ("n", some(st.just(1)))]))
+                                            ("json_schema", odd),
+                                            ("n", st.one_of(st.integers(0, 3), odd))]))
         sp = {"max_new_tokens": 4, name: draw(value)}
         return path, {"text": "Hello", "sampling_params": sp}
     spec = {"response_format": response_formats, "structured_outputs": structured_outputs,
@@ -203,7 +205,7 @@ def nested_requests(draw):
     if path == "/v1/completions":
         field = draw(st.sampled_from(sorted(spec)))
         return path, {"prompt": "Hello", "max_tokens": 4, field: draw(spec[field])}
-    body: dict = {"messages": draw(some(messages, st.sampled_from(["hi", {}, [3], None])))}
+    body: dict = {"messages": draw(some(messages, st.sampled_from(["hi", {}, [], [3], None])))}
     if path == "/tokenize":
         return path, body
     body["max_tokens"] = 4
@@ -302,9 +304,13 @@ def test_fuzz_nested_messages_tools_grammars_and_templates(smollm2_server):
                         headers={"content-type": "application/json"})
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         check_response(r)
+        if r.status_code == 400:
+            param = str(r.json()["error"]["param"]).split(".")[0]
+            refused[param] = refused.get(param, 0) + 1
 
+    refused: dict[str, int] = {}
     one()
-    print("nested fuzz statuses:", statuses)
+    print("nested fuzz statuses:", statuses, "400s by field:", refused)
     assert statuses.get(200) and statuses.get(400), statuses  # both paths were exercised
     assert client.get("/health").status_code == 200
     assert_idle_soon(srv)
