@@ -225,3 +225,17 @@ def test_the_sampler_stays_finite_and_meaningful_at_every_edge():
             [r.penalty_state.index for r in rows]), torch.full((4,), 0.01),
             torch.full((4,), -2.0), torch.full((4,), -2.0))
         assert torch.isfinite(adjusted / 1e-5).all()
+
+
+def test_a_checkpoints_out_of_range_defaults_are_not_used(caplog):
+    """Else every request that leaves temperature unset would be a 400 for a value the
+    client never sent."""
+    from app.engine.core import _usable
+    from models.generation_config import parse_generation_config
+
+    defaults = parse_generation_config({"temperature": 3.0, "top_p": 0.8, "top_k": 20,
+                                        "repetition_penalty": 0.0, "max_new_tokens": 512})
+    with caplog.at_level("WARNING"):
+        usable = _usable(defaults)
+    assert dict(usable.sampling) == {"top_p": 0.8, "top_k": 20, "max_tokens": 512}
+    assert "temperature" in caplog.text and "repetition_penalty" in caplog.text

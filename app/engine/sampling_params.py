@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.engine.errors import InvalidParameter
 from app.engine.grammar import StructuredOutput
@@ -157,3 +159,16 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def out_of_range(values: Mapping[str, Any]) -> dict[str, str]:
+    """Which of these SamplingParams fields a request could not set, and why: a
+    checkpoint's defaults (`generation_config.json`) must keep to the same ranges, or
+    every request that leaves the field unset would be refused for a value it never sent."""
+    refused = {}
+    for name, value in values.items():
+        try:
+            SamplingParams(**{"max_tokens": 1, name: value})
+        except InvalidParameter as e:
+            refused[name] = str(e)
+    return refused
