@@ -129,11 +129,11 @@ def test_a_well_formed_tool_history_still_runs(server, tools, arguments):
     assert_idle_and_clean(server)
 
 
-@pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "chat_template",
-                                 "tools", "conversation", "tokenizer"])
+@pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "param", "tools",
+                                 "conversation", "tokenizer"])
 def test_chat_template_kwargs_cannot_set_what_the_render_takes(server, queued, key):
-    """Either a TypeError (two values for one argument: a 500) or a way around the
-    request's own fields (`chat_template` past the operator's setting)."""
+    """Either a TypeError (two values for one argument: was a 500) or a way around the
+    request's own typed fields."""
     r = httpx.post(server.url + "/v1/chat/completions",
                    json=chat(chat_template_kwargs={key: "{{ 'x' }}"}))
     assert_400(r, "chat_template_kwargs", repr(key))

@@ -289,11 +289,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
 
-    # What the render itself takes: set through the request's own fields, or not at all
-    # (a `chat_template` here would pass the operator's choice about request templates).
+    # What the render itself takes: set through the request's own (typed) fields, or not
+    # at all (a second value for one argument of the render is a TypeError).
     RESERVED_TEMPLATE_KWARGS: ClassVar[frozenset[str]] = frozenset({
         "messages", "conversation", "add_generation_prompt", "continue_final_message",
-        "tools", "documents", "chat_template", "tokenizer", "tokenize", "param"})
+        "tools", "documents", "tokenizer", "tokenize", "param"})
 
     @field_validator("chat_template_kwargs")
     @classmethod
