@@ -194,7 +194,7 @@ def test_outputs_in_input_order_and_abort_frees_blocks(tiny_dir, prompts):
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop": [""]}, "stop"),

@@ -96,7 +96,7 @@ def test_streams_send_no_keepalive_comments():
     "path,body,status,param",
     [
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
-        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "x", "top_p": -0.1}, 400, "top_p"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "", "max_tokens": 3}, 400, "prompt"),

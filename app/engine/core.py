@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import replace
+from types import MappingProxyType
 from typing import NamedTuple
 
 from app.config import EngineConfig
@@ -30,7 +31,7 @@ from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.plan import resolve_max_model_len
 from app.engine.request import Request, RequestSLO, RequestStatus
-from app.engine.sampling_params import SamplingParams
+from app.engine.sampling_params import SamplingParams, out_of_range
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
@@ -38,7 +39,7 @@ from gpu.roofline import StepCost
 from gpu.runner import RunnerSpec, choose_dtype, resolve_device
 from gpu.worker import StepFailed, Worker
 from models.config import ModelConfig
-from models.generation_config import load_generation_defaults
+from models.generation_config import GenerationDefaults, load_generation_defaults
 from models.resolve import resolve_model
 from models.tokenizer import FastDecoder, load_tokenizer
 
@@ -71,13 +72,23 @@ def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
     )
 
 
+def _usable(defaults: GenerationDefaults) -> GenerationDefaults:
+    """The checkpoint's sampling defaults a request could set itself; the others are
+    not used, and the log says so."""
+    refused = out_of_range(defaults.sampling)
+    for name, why in refused.items():
+        log.warning("generation_config.json's %s is not used: %s", name, why)
+    return replace(defaults, sampling=MappingProxyType(
+        {k: v for k, v in defaults.sampling.items() if k not in refused}))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device))
         dtype_name = str(dtype).removeprefix("torch.")
         self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.generation_defaults = load_generation_defaults(self.model_dir)
+        self.generation_defaults = _usable(load_generation_defaults(self.model_dir))
         self.tokenizer = load_tokenizer(self.model_dir, config.chat_template)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         log.info("Model %s: %s; dtype %s (%s); context: the model allows %s, serving "

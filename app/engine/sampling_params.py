@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.engine.errors import InvalidParameter
 from app.engine.grammar import StructuredOutput
@@ -12,6 +14,25 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300
 # overflows to inf and softmax to NaN.
 GREEDY_BELOW = 1e-5
+# The ranges of the sampling numbers. Each reaches the model thread as a float32, so each
+# must keep the arithmetic finite there and still mean something:
+# - temperature: OpenAI's [0, 2]. Past 2 the distribution is noise, and a float32 cannot
+#   hold a temperature past 3.4e38 at all (logits / inf: NaN where a token is banned).
+# - top_p: OpenAI's [0, 1]; 0 keeps the most likely token alone.
+# - repetition_penalty: a seen token's positive logit is divided by it, a negative one
+#   multiplied. Below 1e-45 a float32 penalty is 0 (logits / 0: inf, then NaN, then
+#   token 0 forever); at 0.01 a repeated token already outweighs every other, so that is
+#   the floor. Over 1 it only damps: 10 is the ceiling (vLLM, HF: any positive value).
+# - presence/frequency penalties: OpenAI's [-2, 2]; logit_bias values OpenAI's
+#   [-100, 100]; min_p a fraction of the heaviest token's weight, [0, 1].
+# With every bound at its edge (bias 100, penalty 0.01, temperature 1e-5) a logit of 1e3
+# is scaled to about 1e10: finite in float32 with 28 orders of magnitude to spare.
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.0, 1.0)
+MIN_P_RANGE = (0.0, 1.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # Stop strings are matched on the event loop for every token: bounded, so one request
 # cannot make that work (or the matcher's tables) large. OpenAI allows 4.
 MAX_STOP_STRINGS = 64
@@ -91,18 +112,15 @@ class SamplingParams:
               f"max_tokens must be at least 1, got {self.max_tokens}")
         check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        check(self.temperature >= 0.0, "temperature",
-              f"temperature must be non-negative, got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        for name, (low, high) in (("temperature", TEMPERATURE_RANGE), ("top_p", TOP_P_RANGE),
+                                  ("min_p", MIN_P_RANGE), ("presence_penalty", PENALTY_RANGE),
+                                  ("frequency_penalty", PENALTY_RANGE),
+                                  ("repetition_penalty", REPETITION_PENALTY_RANGE)):
+            value = getattr(self, name)
+            check(low <= value <= high, name,
+                  f"{name} must be in [{low:g}, {high:g}], got {value!r}")
         check(self.top_k >= -1, "top_k",  # above the vocabulary: clamped by the engine
               f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
-              f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               f"stop strings must be non-empty strings, got {list(self.stop)[:MAX_STOP_STRINGS]}")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
@@ -125,8 +143,9 @@ class SamplingParams:
               f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids to a bias")
         check(all(_is_int(t) and t >= 0 for t in bias), "logit_bias",
               "logit_bias keys must be token ids (non-negative integers)")
-        check(all(_is_number(b) and -100.0 <= b <= 100.0 for b in bias.values()), "logit_bias",
-              "logit_bias values must be numbers in [-100, 100]")
+        low, high = LOGIT_BIAS_RANGE
+        check(all(_is_number(b) and low <= b <= high for b in bias.values()), "logit_bias",
+              f"logit_bias values must be numbers in [{low:g}, {high:g}]")
         check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
               "seed", f"seed must be a 64-bit integer, got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -140,3 +159,16 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def out_of_range(values: Mapping[str, Any]) -> dict[str, str]:
+    """Which of these SamplingParams fields a request could not set, and why: a
+    checkpoint's defaults (`generation_config.json`) must keep to the same ranges, or
+    every request that leaves the field unset would be refused for a value it never sent."""
+    refused = {}
+    for name, value in values.items():
+        try:
+            SamplingParams(**{"max_tokens": 1, name: value})
+        except InvalidParameter as e:
+            refused[name] = str(e)
+    return refused

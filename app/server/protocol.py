@@ -204,10 +204,33 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCall(Body):
+    """An assistant's call as OpenAI writes it; `arguments` is a JSON string (an object is
+    accepted too, as templates take it)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # e.g. a streamed call's `index`
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
+    """A message: the fields the server reads are typed, so a malformed one is a 400
+    naming its path (`messages.1.tool_calls.0.function`); other keys go to the chat
+    template as they are (JSON data only: `models/chat_template.py`)."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -266,6 +289,21 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
 
+    # What the render itself takes: set through the request's own (typed) fields, or not
+    # at all (a second value for one argument of the render is a TypeError).
+    RESERVED_TEMPLATE_KWARGS: ClassVar[frozenset[str]] = frozenset({
+        "messages", "conversation", "add_generation_prompt", "continue_final_message",
+        "tools", "documents", "tokenizer", "tokenize", "param"})
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, kwargs):
+        taken = sorted(cls.RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+        if taken:
+            raise ValueError(f"{taken[0]!r} cannot be set in chat_template_kwargs (it is a "
+                             "request field or the server's own)")
+        return kwargs
+
 
 class GenerateSamplingParams(Body):
     """SGLang's `sampling_params`, typed as strictly as the OpenAI bodies."""
@@ -286,12 +324,20 @@ class GenerateSamplingParams(Body):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    n: int = 1
+    n: int = 1  # one sequence: several choices are /v1/completions' `n`
     no_stop_trim: bool = False  # keep the stop string in the text
     # Structured outputs, SGLang's names (at most one).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_sequence(cls, n):
+        if n != 1:
+            raise ValueError("/generate runs one sequence per request: n must be 1 (for "
+                             "several choices use /v1/completions with n)")
+        return n
 
     def to_params(self, **extra: Any) -> SamplingParams:
         fields = self.model_dump(exclude={"max_new_tokens", "min_new_tokens", "stop",
