@@ -41,7 +41,7 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
     params = parse_params(lambda: req.sampling_params.to_params(
         structured=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
         "sampling_params")
-    (stream,) = queue_all(request, [ids], params, 0, req.rid)
+    (stream,) = queue_all(request, [ids], params, 0, req.rid, whole_answer=not req.stream)
 
     def result(out: RequestOutput, text: str, output_ids: list[int], entries: list) -> dict:
         reason = None

@@ -71,7 +71,8 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
         req.logprobs, req.logprobs if req.echo and req.logprobs is not None else None,
         structured=await compiled(request, from_openai(req)),
         defaults=engine(request).core.generation_defaults)
-    streams = queue_all(request, prompts, params, req.priority, req.request_id)
+    streams = queue_all(request, prompts, params, req.priority, req.request_id,
+                        whole_answer=not req.stream)
     n = params.n
     rid, created = new_id("cmpl"), now()
     prompt_texts = [await inputs.detokenize(p) for p in prompts] if req.echo else None
@@ -151,7 +152,8 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, len(prompt)), top,
                                  structured=so, defaults=engine(request).core.generation_defaults)
-    streams = queue_all(request, [prompt], params, req.priority, req.request_id)
+    streams = queue_all(request, [prompt], params, req.priority, req.request_id,
+                        whole_answer=not req.stream and req.max_tokens is not None)
     rid, created = new_id("chatcmpl"), now()
 
     def chunk(choices: list[dict], **extra) -> dict:
