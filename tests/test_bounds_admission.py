@@ -51,6 +51,20 @@ def test_a_request_that_cannot_finish_by_its_deadline_is_refused_at_arrival():
     ctl.check_arrival(req(1, 50), slo, ahead=0, running=4, now=now)
 
 
+def test_a_newcomer_that_would_make_a_running_request_late_is_refused():
+    ctl, now = trained(), time.monotonic()
+    before, after = ctl.token_seconds(1, 1), ctl.token_seconds(1, 2)
+    assert after > before  # one more sequence makes every step a little longer
+    running = req(0, 1000, slo=RequestSLO(deadline=now + 1000 * (before + after) / 2))
+    newcomer = req(1, 5)
+    slo = RequestSLO(ttft_deadline=now + 60, deadline=now + 60)
+    with pytest.raises(QueueFull) as e:  # it fits, but the running one would be late
+        ctl.check_arrival(newcomer, slo, ahead=0, running=1, now=now, others=[running])
+    assert e.value.reason == "deadline"
+    running.slo = RequestSLO(deadline=now + 1000 * after + 1)  # room for one more
+    ctl.check_arrival(newcomer, slo, ahead=0, running=1, now=now, others=[running])
+
+
 def test_an_idle_server_or_a_cold_model_refuses_nothing():
     now = time.monotonic()
     slo = RequestSLO(ttft_deadline=now + 5, deadline=now + 5)
