@@ -78,8 +78,9 @@ class SchedulerConfig:
     max_queued_requests: int | None = setting(None, "waiting requests beyond which new ones "
                                               "get 503 (default: unbounded)")
     long_prefill_token_threshold: int = setting(
-        0, "while requests are decoding, a prefill chunk takes at most this many tokens a "
-        "step, so a long prompt does not stall every stream (0: no cap; vLLM's name)")
+        512, "a request's prefill chunk takes at most this many tokens a step, and while "
+        "requests decode all prefill chunks together do, so a long prompt shares its steps "
+        "with waiting and decoding requests (0: no cap; vLLM's name)")
     preemption_policy: str = setting("newest", "which running request gives up its KV blocks "
                                      "when the pool is full", choices=PREEMPTION_POLICIES)
 
@@ -241,8 +242,17 @@ class ServerSettings:
     slo_tpot_ms: float | None = setting(None, "default time-per-output-token target: requests "
                                         "join the batch only while it holds (per request: "
                                         "header X-SLO-TPOT-Ms)")
+    max_seqs_per_request: int = setting(
+        256, "most sequences one request may put in flight (prompts x n); more is a 400")
+    max_tokens_per_request: int | None = setting(
+        None, "most tokens one request may ask for: its prompts' tokens plus sequences x "
+        "max_tokens; more is a 400 (default: 64 x max_model_len, n=64 full contexts)")
     retry_after_seconds: int = setting(1, "the Retry-After sent with a 503 when no wait can "
                                        "be predicted", cli=False)
+
+    def __post_init__(self) -> None:
+        _positive("max_seqs_per_request", self.max_seqs_per_request)
+        _positive("max_tokens_per_request", self.max_tokens_per_request)
 
     @classmethod
     def from_kwargs(cls, **flat: Any) -> ServerSettings:

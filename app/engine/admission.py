@@ -10,15 +10,23 @@ So each request may carry two targets (`RequestSLO`):
   openai SDK's `x-stainless-read-timeout`), `--max-queue-time`, and a TTFT target
   (`--slo-ttft-ms`, or `X-SLO-TTFT-Ms` per request) — the earliest of those given.
 - `tpot_target`: the time per output token it needs (`--slo-tpot-ms`, `X-SLO-TPOT-Ms`).
+- `deadline`: when the whole answer must be out: the client's timeout, for a request
+  answered in one piece (not streamed) whose `max_tokens` the client chose. No flag is
+  needed: a client that says how long it waits has made a promise the server can check.
 
 and the engine acts on them in three places:
 
 1. **At arrival** (`check_arrival`): if the request would queue and the predicted
-   wait plus prefill already passes the deadline, refuse now with 503 and a
-   Retry-After of the predicted wait. One that starts at once is never refused: an
-   idle server loses nothing by serving it, and a prediction alone, taken just after
-   the load changed shape, once put an 832-token prefill past a 600 s deadline.
-2. **In the queue** (`expired`): a waiting request that can no longer make its
+   wait plus prefill already passes the TTFT deadline, refuse now with 503 and a
+   Retry-After of the predicted wait. One that starts at once is never refused for
+   its TTFT: an idle server loses nothing by serving it, and a prediction alone,
+   taken just after the load changed shape, once put an 832-token prefill past a
+   600 s deadline. With a whole-answer `deadline`, the wait, the prefill and its
+   `max_tokens` at the predicted time between tokens (`token_seconds`) must fit, or it is
+   refused (503, Retry-After: by how much it would be late) — but only on a server
+   with work (an idle one serves it: refusing would help nobody) and with a warm
+   model (nothing is refused on a guess).
+2. **In the queue** (`expired`): a waiting request that can no longer make either
    deadline is shed (503) before it costs a prefill.
 3. **Into the batch** (`can_join`, `prefill_budget`): a request joins the running
    batch only if the predicted decode step stays within the tightest TPOT target of
@@ -32,6 +40,9 @@ Requests without targets are never shed, and never held back by `can_join`.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,6 +57,10 @@ P_MAX = 1e3
 OUTLIER = 1.0
 # Prefill tokens a step may always take, so waiting requests progress under any TPOT target.
 MIN_PREFILL_CHUNK = 16
+# Recent steps whose median time is the interval a running request sees between its tokens.
+RECENT_STEPS = 32
+# Recent steps from which the cost of one more sequence in a step is fitted.
+SEQ_COST_STEPS = 128
 
 
 class StepTimeModel:
@@ -125,6 +140,31 @@ class StepTimeModel:
         return a + b * tokens + c * seqs
 
 
+class SequenceCost:
+    """What one more sequence adds to a step, fitted on the recent steps alone.
+
+    Step seconds ≈ a + c·seqs + p·(prefill tokens), by least squares over the last
+    SEQ_COST_STEPS steps; `c` is the answer. `StepTimeModel` fits one cost per token
+    to prefill and decode tokens alike, which suits prefill but not this: on CPU a
+    prefill token costs several decode tokens, and its per-sequence cost stayed at 0
+    while a 35-sequence decode step took six times a one-sequence one."""
+
+    def __init__(self) -> None:
+        self._rows: deque[tuple[float, float, float]] = deque(maxlen=SEQ_COST_STEPS)
+        self.per_seq: float | None = None  # None: the steps do not tell it yet
+
+    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
+        self._rows.append((seqs, max(0, tokens - seqs), seconds))
+        if len(self._rows) < 16:
+            return
+        rows = np.array(self._rows)
+        if np.ptp(rows[:, 0]) == 0:
+            return  # every recent step had the same batch: no slope to see
+        x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
+        coef = np.linalg.lstsq(x, rows[:, 2], rcond=None)[0]
+        self.per_seq = max(0.0, float(coef[1]))
+
+
 class AdmissionController:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
         self.max_num_seqs = max_num_seqs
@@ -133,12 +173,17 @@ class AdmissionController:
         # Requests started per second while some waited: how fast the queue drains.
         self._starts = 0.0
         self._busy = 0.0
+        # Times of the last steps: their median is robust to one long prefill step.
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.seq_cost = SequenceCost()
 
     # -- measurements -----------------------------------------------------------------
 
     def observe_step(self, tokens: int, seqs: int, seconds: float, started: int,
                      waiting: int) -> None:
         self.steps.observe(tokens, seqs, seconds)
+        self._recent.append(seconds)
+        self.seq_cost.observe(tokens, seqs, seconds)
         if waiting or started:
             self._starts = self._starts * FORGET + started
             self._busy = self._busy * FORGET + seconds
@@ -161,6 +206,28 @@ class AdmissionController:
         steps = math.ceil(left / chunk)
         return steps * self.steps.predict(min(left, chunk) + running, running + 1)
 
+    def token_seconds(self, running: int, batch: int) -> float:
+        """Seconds between a running request's tokens once the batch grows from `running`
+        to `batch` sequences: the median of the recent steps (what running requests see
+        now, other requests' prefill chunks included), plus what the extra sequences
+        add (`SequenceCost`). The step-time model alone is no measure of a decode step:
+        on CPU it predicted a 35-sequence decode step of 6 ms at 35 ms, which refused a
+        third of the requests at capacity."""
+        now, then = (max(1, min(n, self.max_num_seqs)) for n in (running, batch))
+        if not self._recent:
+            return self.steps.predict(then, then)
+        per_seq = self.seq_cost.per_seq
+        if per_seq is None:
+            a, b, c = self.steps.costs()
+            per_seq = b + c
+        return statistics.median(self._recent) + per_seq * max(0, then - now)
+
+    def finish_seconds(self, req: Request, running: int, batch: int) -> float:
+        """Time from its start to its last token: its prefill beside `running` sequences,
+        then what is left of its max_tokens, one token per step of `batch` sequences."""
+        left = max(0, req.params.max_tokens - req.num_output_tokens)
+        return self.prefill_seconds(req, running) + left * self.token_seconds(running, batch)
+
     def wait_seconds(self, ahead: int, running: int) -> float | None:
         """Predicted wait before a request with `ahead` waiting requests before it starts."""
         beyond = ahead - max(0, self.max_num_seqs - running)
@@ -172,21 +239,45 @@ class AdmissionController:
     # -- the three decisions ------------------------------------------------------------------
 
     def check_arrival(self, req: Request, slo: RequestSLO, ahead: int, running: int,
-                      now: float) -> None:
-        """Raise QueueFull (503, Retry-After) if the request cannot make its deadline."""
-        if slo.ttft_deadline is None:
+                      now: float, others: Sequence[Request] = ()) -> None:
+        """Raise QueueFull (503, Retry-After) if the request cannot make its deadlines, or
+        (with a whole-answer deadline) if one more sequence would make one of `others`,
+        the running requests, miss a deadline it was predicted to make."""
+        if slo.ttft_deadline is None and slo.deadline is None:
             return
         wait = self.wait_seconds(ahead, running)
-        if wait is None or wait == 0.0:
-            return  # nothing measured yet, or it starts at once: let it in
-        if now + wait + self.prefill_seconds(req, running) > slo.ttft_deadline:
+        if wait is None:
+            return  # nothing measured yet: let it in
+        if (slo.ttft_deadline is not None and wait > 0.0
+                and now + wait + self.prefill_seconds(req, running) > slo.ttft_deadline):
             raise QueueFull(f"cannot start within the request's deadline (predicted wait "
                             f"{wait:.1f} s)", reason="deadline", retry_after=wait)
+        if slo.deadline is None or not (running or ahead) or not self.steps.ready:
+            return  # an idle server serves it, and nothing is refused on a guess
+        batch = running + ahead + 1
+        done = now + wait + self.finish_seconds(req, running, batch)
+        if done > slo.deadline:
+            late = done - slo.deadline
+            raise QueueFull(f"cannot finish within the request's deadline (predicted "
+                            f"{late:.1f} s late with {running} running and {ahead} waiting)",
+                            reason="deadline", retry_after=max(wait, late))
+        # Each arrival checked only itself, the batch would grow until the requests
+        # admitted first missed their deadlines (a third of them, at twice capacity).
+        before, after = self.token_seconds(running, batch - 1), self.token_seconds(running, batch)
+        for other in others:
+            due, left = other.slo.deadline, other.params.max_tokens - other.num_output_tokens
+            if due is not None and now + left * before <= due < now + left * after:
+                raise QueueFull("one more sequence would make a running request miss its "
+                                "deadline", reason="deadline", retry_after=left * before)
 
     def expired(self, req: Request, running: int, now: float) -> bool:
-        """A waiting request that can no longer deliver its first token in time."""
-        deadline = req.slo.ttft_deadline
-        return deadline is not None and now + self.prefill_seconds(req, running) > deadline
+        """A waiting request that can no longer deliver its first token, or its whole
+        answer, in time (the latter only beside running work, as at arrival)."""
+        ttft, whole = req.slo.ttft_deadline, req.slo.deadline
+        if ttft is not None and now + self.prefill_seconds(req, running) > ttft:
+            return True
+        return (whole is not None and running > 0 and self.steps.ready
+                and now + self.finish_seconds(req, running, running + 1) > whole)
 
     def can_join(self, req: Request, running: list[Request]) -> bool:
         """Whether one more sequence keeps the decode step within every TPOT target."""

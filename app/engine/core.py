@@ -199,7 +199,8 @@ class EngineCore:
         if slo is not None:
             req.slo = slo
             s = self.scheduler
-            self.admission.check_arrival(req, slo, len(s.waiting), len(s.running), time.monotonic())
+            self.admission.check_arrival(req, slo, len(s.waiting), len(s.running), time.monotonic(),
+                                         s.running)
         self.scheduler.add(req)  # may raise QueueFull: nothing tracked yet
         self._arrivals += 1
         self.outputs.add(req)

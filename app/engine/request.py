@@ -46,10 +46,13 @@ class RequestTimes:
 
 @dataclass(frozen=True)
 class RequestSLO:
-    """What the client needs (see `admission.py`); both optional."""
+    """What the client needs (see `admission.py`); each optional."""
 
     ttft_deadline: float | None = None  # time.monotonic() by which the first token is due
     tpot_target: float | None = None  # seconds per output token
+    # time.monotonic() by which the whole answer is due: a client timeout on a request
+    # whose answer is one piece (not streamed) and whose max_tokens the client chose.
+    deadline: float | None = None
 
 
 @dataclass(eq=False)

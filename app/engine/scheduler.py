@@ -126,12 +126,16 @@ class Scheduler:
         assert not self._in_flight, "schedule() called while a step is in flight"
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Prefill tokens are capped further while requests decode: by a fixed threshold
-        # (vLLM's long_prefill_token_threshold), and by the decoders' TPOT targets.
+        # A request's prefill chunk is capped by a fixed threshold (vLLM's
+        # long_prefill_token_threshold), so a long prompt leaves room in its steps for
+        # waiting requests and a short one's first token does not wait for the whole long
+        # prefill. While requests decode, all prefill chunks together are capped by the
+        # threshold too, and by the decoders' TPOT targets.
+        threshold = self.config.long_prefill_token_threshold or budget
         prefill_left = budget
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        if decodes and self.config.long_prefill_token_threshold:
-            prefill_left = min(prefill_left, self.config.long_prefill_token_threshold)
+        if decodes:
+            prefill_left = min(prefill_left, threshold)
         if self.admission is not None:
             cap = self.admission.prefill_budget(self.running, decodes)
             prefill_left = prefill_left if cap is None else min(cap, prefill_left)
@@ -140,7 +144,9 @@ class Scheduler:
         def take(req: Request) -> int:
             """Tokens `req` may compute this step: one to decode, or a prefill chunk."""
             left = req.num_tokens - req.num_computed_tokens
-            return min(left, budget) if left == 1 else min(left, budget, prefill_left)
+            if left == 1:
+                return min(left, budget)
+            return min(left, budget, prefill_left, threshold)
 
         for req in list(self.running):
             if budget == 0:

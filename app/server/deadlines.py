@@ -9,7 +9,12 @@
 | `X-SLO-TPOT-Ms: MS` | time-per-output-token target (default `--slo-tpot-ms`) |
 
 The first token is due at the earliest of: arrival + client timeout, arrival +
-`--max-queue-time`, arrival + TTFT target.
+`--max-queue-time`, arrival + TTFT target. When the answer comes in one piece (not
+streamed) and the client chose its `max_tokens`, the client's timeout is also when the
+whole answer is due (`RequestSLO.deadline`): that needs no flag. A streamed request's
+timeout bounds the wait for each byte, so only its first token is due; and an answer of
+unchosen length (chat without `max_tokens`: the room the context leaves) has no end the
+server could predict, so the openai SDK's 600 s on every request refuses no ordinary one.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ def _seconds(request: Request, header: str, scale: float = 1.0) -> float | None:
     return value
 
 
-def request_slo(request: Request, settings: ServerSettings) -> RequestSLO | None:
+def request_slo(request: Request, settings: ServerSettings,
+                whole_answer: bool = False) -> RequestSLO | None:
+    """`whole_answer`: the answer is one piece of a length the client chose, so its
+    timeout bounds the whole request."""
     arrival = time.monotonic()
     timeout = next((t for h in TIMEOUT_HEADERS if (t := _seconds(request, h)) is not None),
                    None)
@@ -51,6 +59,7 @@ def request_slo(request: Request, settings: ServerSettings) -> RequestSLO | None
     if tpot is None and settings.slo_tpot_ms is not None:
         tpot = settings.slo_tpot_ms * 1e-3
     limits = [t for t in (timeout, settings.max_queue_time, ttft) if t is not None]
+    deadline = arrival + timeout if whole_answer and timeout is not None else None
     if not limits and tpot is None:
         return None
-    return RequestSLO(arrival + min(limits) if limits else None, tpot)
+    return RequestSLO(arrival + min(limits) if limits else None, tpot, deadline)

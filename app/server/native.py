@@ -44,7 +44,8 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
         structured=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs),
         "sampling_params")
     call_id = uuid.uuid4().hex  # SGLang's rids are bare hex
-    (stream,) = queue_all(request, [ids], params, 0, call_id, req.rid)
+    (stream,) = queue_all(request, [ids], params, 0, call_id, req.rid,
+                          whole_answer=not req.stream)
 
     def result(out: RequestOutput, text: str, output_ids: list[int], entries: list) -> dict:
         reason = None

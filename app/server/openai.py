@@ -78,7 +78,8 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
         structured=await compiled(request, from_openai(req)),
         defaults=engine(request).core.generation_defaults)
     call_id, created = new_id("cmpl"), now()
-    streams = queue_all(request, prompts, params, req.priority, call_id, req.request_id)
+    streams = queue_all(request, prompts, params, req.priority, call_id, req.request_id,
+                        whole_answer=not req.stream)
     n = params.n
     rid = response_id("cmpl", call_id, req.request_id)
     prompt_texts = [await inputs.detokenize(p) for p in prompts] if req.echo else None
@@ -159,7 +160,8 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     params = req.sampling_params(default_max_tokens(request, req.max_tokens, len(prompt)), top,
                                  structured=so, defaults=engine(request).core.generation_defaults)
     call_id, created = new_id("chatcmpl"), now()
-    streams = queue_all(request, [prompt], params, req.priority, call_id, req.request_id)
+    streams = queue_all(request, [prompt], params, req.priority, call_id, req.request_id,
+                        whole_answer=not req.stream and req.max_tokens is not None)
     rid = response_id("chatcmpl", call_id, req.request_id)
 
     def chunk(choices: list[dict], **extra) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
+from app.config import ServerSettings
 from app.engine.async_engine import RequestGroup, RequestStream
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
@@ -26,27 +27,37 @@ from app.server.errors import APIError, error_body
 from app.server.request_id import is_sane
 from app.server.state import state
 
+# The default bound on one request's tokens, in full contexts: n = 64 (OpenAI's most
+# samples per prompt here) of the longest requests still fit.
+MAX_CONTEXTS_PER_REQUEST = 64
+
 
 class ClientDisconnected(Exception):
     """The client closed the connection before a non-streamed result was ready."""
 
 
 def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams,
-              priority: int, call_id: str, label: str | None) -> list[RequestStream]:
+              priority: int, call_id: str, label: str | None, whole_answer: bool = False
+              ) -> list[RequestStream]:
     """Queue every prompt `params.n` times, or none: a failure aborts the ones queued.
 
     Choice `i * n + j` is prompt i's j-th sample (OpenAI's and vLLM's order). Each is
     its own sequence with its own sampling stream (a seed becomes seed + j, so seeded
     choices are reproducible and differ); they share the prompt's KV blocks through
-    the prefix cache.
+    the prefix cache. Each sequence is a request to the engine, so the queue bound and
+    the deadline checks count sequences: the last of a many-sequence request is checked
+    behind all the others, and its refusal (503) refuses the whole request.
+    `whole_answer`: the answer is one piece of a length the client chose (its timeout
+    then bounds the whole request, `deadlines.py`).
 
     Engine ids are the server's: `call_id` (unguessable: `protocol.new_id`) for the
     first sequence, `call_id-i` for the others, and `/abort_request` takes `call_id`.
     The client's own `request_id`/`rid` is only a `label` for the log lines (when
     sane, like `x-request-id`) and the admin's abort: two clients may send the same."""
     st = state(request)
-    engine, slo = st.engine, request_slo(request, st.settings)
     n = params.n
+    check_size(prompts, params, st.settings, st.engine.core.max_model_len)
+    engine, slo = st.engine, request_slo(request, st.settings, whole_answer)
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompts):
@@ -63,6 +74,27 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
             engine.abort(s.request_id)
         raise
     return streams
+
+
+def check_size(prompts: list[list[int]], params: SamplingParams,
+               settings: ServerSettings, max_model_len: int) -> None:
+    """What one request may put in flight: its sequences (prompts × n) and its tokens
+    (its prompts' tokens, computed once each and shared by their n samples through the
+    prefix cache, plus sequences × max_tokens). Each limit alone (256 prompts, n ≤ 64,
+    max_model_len) still allows a product that holds the engine for minutes."""
+    seqs = len(prompts) * params.n
+    param = "n" if params.n > 1 else "prompt"
+    if seqs > settings.max_seqs_per_request:
+        raise APIError(400, f"this request asks for {seqs} sequences ({len(prompts)} prompts "
+                       f"x n={params.n}); the server takes at most "
+                       f"{settings.max_seqs_per_request} per request", param)
+    tokens = sum(map(len, prompts)) + seqs * params.max_tokens
+    limit = settings.max_tokens_per_request or MAX_CONTEXTS_PER_REQUEST * max_model_len
+    if tokens > limit:
+        raise APIError(400, f"this request asks for {tokens} tokens (prompts plus {seqs} "
+                       f"sequences x max_tokens={params.max_tokens}); the server takes at "
+                       f"most {limit} per request",
+                       "max_tokens" if params.max_tokens > 1 else param)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
