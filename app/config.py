@@ -249,10 +249,18 @@ class ServerSettings:
         "max_tokens; more is a 400 (default: 64 x max_model_len, n=64 full contexts)")
     retry_after_seconds: int = setting(1, "the Retry-After sent with a 503 when no wait can "
                                        "be predicted", cli=False)
+    # The Responses API's store (app/server/response_store.py), least recently used out.
+    responses_store_max_entries: int = setting(
+        1000, "most responses kept for previous_response_id and GET /v1/responses/{id} "
+        "(0: none); the least recently used is dropped first")
+    responses_store_max_bytes: int = setting(
+        256 << 20, "most bytes of stored responses (each with its conversation, as JSON)")
 
     def __post_init__(self) -> None:
         _positive("max_seqs_per_request", self.max_seqs_per_request)
         _positive("max_tokens_per_request", self.max_tokens_per_request)
+        _positive("responses_store_max_entries", self.responses_store_max_entries, 0)
+        _positive("responses_store_max_bytes", self.responses_store_max_bytes, 0)
 
     @classmethod
     def from_kwargs(cls, **flat: Any) -> ServerSettings:

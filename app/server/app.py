@@ -29,12 +29,13 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
-from app.server import native, openai
+from app.server import native, openai, responses
 from app.server.auth import authorize
 from app.server.errors import APIError, api_error
 from app.server.hosts import HostCheckMiddleware
 from app.server.http_protocol import with_header_timeout
 from app.server.request_id import HEADER, RequestIdMiddleware
+from app.server.response_store import ResponseStore
 from app.server.state import State, state
 from app.server.streaming import ClientDisconnected
 
@@ -179,6 +180,11 @@ ROUTES = [
     Route("/v1/chat/completions", endpoint(openai.chat_completions), methods=["POST"]),
     Route("/v1/chat/completions/render", endpoint(openai.chat_render), methods=["POST"]),
     Route("/v1/completions/render", endpoint(openai.completions_render), methods=["POST"]),
+    Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
+    Route("/v1/responses/{response_id}", endpoint(responses.retrieve, needs_body=False),
+          methods=["GET"]),
+    Route("/v1/responses/{response_id}", endpoint(responses.delete, needs_body=False),
+          methods=["DELETE"]),
     Route("/generate", endpoint(native.generate), methods=["POST"]),
     Route("/tokenize", endpoint(native.tokenize), methods=["POST"]),
     Route("/detokenize", endpoint(native.detokenize), methods=["POST"]),
@@ -211,6 +217,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
                                            allowed_hosts=settings.allowed_hosts)],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     app.state.ridgeline = st  # handlers reach the engine through request.app.state
+    app.state.response_store = ResponseStore(settings.responses_store_max_entries,
+                                             settings.responses_store_max_bytes)
     return app
 
 

@@ -1,0 +1,237 @@
+"""`/v1/responses` on the tiny random model, with the real `openai` SDK: the Response
+object, the typed stream the SDK reassembles, errors in OpenAI's shape, the bounded
+store behind `previous_response_id` and GET/DELETE, abort when the stream is closed,
+and the field table of docs/api.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from app.config import ServerSettings
+from app.server.response_store import ResponseStore
+from app.server.responses_protocol import (
+    FunctionTool,
+    ReasoningConfig,
+    ResponsesRequest,
+    TextConfig,
+    TextFormat,
+)
+from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    settings = ServerSettings(log_stats_interval=0.05, responses_store_max_entries=3)
+    srv = ServerThread(tiny_config(tiny_dir, max_model_len=512), settings).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(srv, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
+
+
+def test_a_response_and_its_stream_have_the_same_items(server, client):
+    body = dict(model="tiny", input="Hello there", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**body)
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.input_tokens + 12
+    (message,) = whole.output
+    assert message.type == "message" and message.status == "incomplete"
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12,
+        "temperature": 0}).json()
+    assert whole.output_text == chat["choices"][0]["message"]["content"]
+
+    with client.responses.stream(**body) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and final.status == "incomplete"
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert_idle_and_clean(server)
+
+
+def test_the_stream_is_framed_as_openai_frames_it(server):
+    with httpx.stream("POST", server.url + "/v1/responses", json={
+            "input": "Hi", "max_output_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        text = "".join(r.iter_text())
+    frames = [f for f in text.split("\n\n") if f.strip()]
+    numbers = []
+    for frame in frames:
+        event, data = frame.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert event == f"event: {payload['type']}"
+        numbers.append(payload["sequence_number"])
+    assert numbers == list(range(len(frames)))
+    assert "[DONE]" not in text
+
+
+def test_a_forced_call_is_a_function_call_item(server, client):
+    tool = {"type": "function", "name": "get_weather", "description": "the weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                     "maxLength": 8}},
+                           "required": ["city"], "additionalProperties": False},
+            "strict": True}
+    body = dict(model="tiny", input="Weather in Paris?", tools=[tool], temperature=0,
+                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=120)
+    out = client.responses.create(**body)
+    calls = [o for o in out.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    if calls[0].status == "completed":  # a random model may spend its tokens on spaces
+        assert set(json.loads(calls[0].arguments)) == {"city"}
+    with client.responses.stream(**body) as stream:
+        deltas = [e for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    streamed = [o for o in final.output if o.type == "function_call"]
+    assert [c.arguments for c in streamed] == [c.arguments for c in calls]
+    assert "".join(d.delta for d in deltas) == streamed[0].arguments
+
+
+def test_bad_requests_are_400s_naming_the_field(server, client):
+    cases = [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input_image"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "web_search"),
+        ({"input": "x", "max_tool_calls": 3}, "max_tool_calls"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "text": {"verbosity": "high"}}, "verbosity"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "temperature": 5.0}, "temperature"),
+        ({"input": "x", "include": ["file_search_call.results"]}, "include"),
+    ]
+    for body, named in cases:
+        r = post(server, body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert named in error["message"] + str(error["param"]), (body, error)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+
+
+def test_previous_response_id_carries_the_conversation(server, client):
+    first = client.responses.create(model="tiny", input="My name is Ada.",
+                                    max_output_tokens=5, temperature=0)
+    second = client.responses.create(model="tiny", input="What is my name?",
+                                     previous_response_id=first.id, max_output_tokens=5,
+                                     temperature=0)
+    # The same conversation sent whole gives the same prompt, hence the same tokens.
+    whole = client.responses.create(model="tiny", max_output_tokens=5, temperature=0, input=[
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}], store=False)
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    assert second.previous_response_id == first.id
+    # store: false kept nothing
+    assert httpx.get(server.url + f"/v1/responses/{whole.id}").status_code == 404
+
+
+def test_the_store_is_bounded_and_get_delete_work(server, client):
+    ids = [client.responses.create(model="tiny", input=f"turn {i}", max_output_tokens=2,
+                                   metadata={"turn": str(i)}).id for i in range(4)]
+    store = server.app.state.response_store
+    assert len(store) == 3  # the server's bound
+    server.call(store.check)
+    missing = httpx.get(server.url + f"/v1/responses/{ids[0]}")  # the least recently used
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
+    got = client.responses.retrieve(ids[3])
+    assert got.id == ids[3] and got.metadata == {"turn": "3"}
+    deleted = httpx.delete(server.url + f"/v1/responses/{ids[3]}").json()
+    assert deleted == {"id": ids[3], "object": "response.deleted", "deleted": True}
+    assert httpx.delete(server.url + f"/v1/responses/{ids[3]}").status_code == 404
+    assert httpx.get(server.url + f"/v1/responses/{ids[2]}?stream=true").status_code == 400
+
+
+def test_the_store_bounds_bytes_and_entries():
+    store = ResponseStore(max_entries=10, max_bytes=1000)
+    for i in range(6):
+        assert store.put({"id": f"r{i}", "pad": "x" * 200}, [])
+        store.check()
+    assert len(store) < 6 and store.get("r0") is None and store.get("r5") is not None
+    assert not store.put({"id": "big", "pad": "x" * 2000}, [])
+    assert ResponseStore(0, 1000).put({"id": "r"}, []) is False
+
+
+def test_closing_the_stream_aborts_and_frees_the_blocks(server, client):
+    before = metric(httpx.get(server.url + "/metrics").text, "request_success_total",
+                    'finished_reason="abort"')
+    stream = client.responses.create(model="tiny", input="Tell me a long story",
+                                     max_output_tokens=400, temperature=0, stream=True)
+    seen = 0
+    for event in stream:
+        seen += event.type == "response.output_text.delta"
+        if seen == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        if metric(text, "request_success_total", 'finished_reason="abort"') > before:
+            break
+        time.sleep(0.05)
+    assert metric(text, "request_success_total", 'finished_reason="abort"') == before + 1
+    assert_idle_and_clean(server)
+
+
+def test_truncation_auto_drops_the_oldest_turns(server):
+    long_turns = [{"role": "user" if i % 2 == 0 else "assistant",
+                   "content": f"turn {i}: " + "word " * 60} for i in range(12)]
+    body = {"input": long_turns, "max_output_tokens": 8, "temperature": 0}
+    assert post(server, body).status_code == 400  # disabled by default: too long
+    r = post(server, {**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] + 8 <= 512
+
+
+def test_json_schema_text_format_is_enforced(server, client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.responses.create(model="tiny", input="a number", temperature=0,
+                                  max_output_tokens=40, text={"format": {
+                                      "type": "json_schema", "name": "n", "schema": schema}})
+    if out.status == "completed":
+        assert isinstance(json.loads(out.output_text)["n"], int)
+    assert out.text.format.type == "json_schema"
+
+
+def _table_names() -> set[str]:
+    """Every name in backquotes in the Responses table of docs/api.md."""
+    text = DOC.read_text()
+    section = text[text.index("## `/v1/responses`"):]
+    table = section[section.index("| field | treatment |"):].split("\n\n")[0]
+    return set(re.findall(r"`([^`]+)`", table))
+
+
+def test_the_doc_table_covers_every_field():
+    documented = _table_names()
+    for model, prefix in ((ResponsesRequest, ""), (TextConfig, "text."),
+                          (ReasoningConfig, "reasoning."), (TextFormat, ""),
+                          (FunctionTool, "")):
+        declared = {prefix + (model.model_fields[f].alias or f) for f in model.model_fields
+                    if f != "type"}  # the kinds are listed in the notes
+        declared |= {prefix + f for f in set(model.IGNORED) | set(model.ONLY_DEFAULT)}
+        assert declared <= documented, (model.__name__, declared - documented)
