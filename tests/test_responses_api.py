@@ -235,3 +235,63 @@ def test_the_doc_table_covers_every_field():
                     if f != "type"}  # the kinds are listed in the notes
         declared |= {prefix + f for f in set(model.IGNORED) | set(model.ONLY_DEFAULT)}
         assert declared <= documented, (model.__name__, declared - documented)
+
+
+def test_a_failure_after_the_start_is_a_failed_response(server, client):
+    """The engine failing mid-stream (as a drain's timeout ends requests) ends the stream
+    with `response.failed` carrying the reason, not a cut connection."""
+    stream = client.responses.create(model="tiny", input="Tell me a story", temperature=0,
+                                     max_output_tokens=400, stream=True)
+    kinds = []
+    for event in stream:
+        kinds.append(event.type)
+        if kinds.count("response.output_text.delta") == 2:
+            server.call(server.engine.fail_unfinished, "the server is stopping")
+    assert kinds[-1] == "response.failed"
+    assert event.response.status == "failed"
+    assert "the server is stopping" in event.response.error.message
+    assert_idle_and_clean(server)
+
+
+def test_a_codex_shaped_request_streams_to_completion(server):
+    """The body Codex sends (codex-rs `ResponsesApiRequest`): empty tools with
+    tool_choice auto, `reasoning: null`, `include: []`, `prompt_cache_key`, developer
+    messages with `input_text` parts, a call and its output from an earlier turn."""
+    body = {"model": "tiny", "instructions": "You are a coding agent.", "input": [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]},
+        {"type": "function_call", "name": "shell", "arguments": "{\"command\": [\"ls\"]}",
+         "call_id": "call_1"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "README.md"}],
+        "tools": [], "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": None,
+        "store": False, "stream": True, "include": [], "prompt_cache_key": "conv-1",
+        "max_output_tokens": 6}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["usage"]["output_tokens"] == 6
+
+
+def test_input_items_become_chat_messages():
+    from app.server.responses_input import to_messages
+
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                          "text": "think"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "two"}]}]})
+    messages = to_messages(req.input)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    assistant = messages[1]
+    assert assistant["content"] == "Let me look." and assistant["reasoning_content"] == "think"
+    assert [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"]
+    assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "one", "name": "f"}
+    assert messages[3]["content"] == "two" and messages[3]["name"] == "g"

@@ -219,7 +219,7 @@ async def _prompt(request: Request, req: ResponsesRequest, conversation: list[di
         "auto" if tools else "none")
     if isinstance(choice, NamedFunctionChoice):
         choice = {"type": "function", "function": {"name": choice.name}}
-    if choice != "none" and not tools:
+    if choice not in ("none", "auto") and not tools:  # Codex sends auto with no tools
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     in_play = tools if choice != "none" else None
     try:
