@@ -201,7 +201,8 @@ def test_truncation_auto_drops_the_oldest_turns(server):
     long_turns = [{"role": "user" if i % 2 == 0 else "assistant",
                    "content": f"turn {i}: " + "word " * 60} for i in range(12)]
     body = {"input": long_turns, "max_output_tokens": 8, "temperature": 0}
-    assert post(server, body).status_code == 400  # disabled by default: too long
+    refused = post(server, body)  # disabled by default: too long
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
     r = post(server, {**body, "truncation": "auto"})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] + 8 <= 512

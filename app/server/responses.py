@@ -47,7 +47,8 @@ from app.server.tools import ToolCallStream, grammar_for, template_supports_tool
 from app.server.tools import render as render_tools
 
 # Request fields that name the engine's own: a range error names the Responses field.
-_PARAM_NAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+_PARAM_NAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs",
+                "prompt": "input"}
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -83,8 +84,13 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
                                             else None))
     params = _sampling_params(request, req, len(prompt), so)
     rid, created = item_id("resp"), now()
-    streams = queue_all(request, [prompt], params, req.priority, rid, req.request_id,
-                        whole_answer=not req.stream and req.max_output_tokens is not None)
+    try:
+        streams = queue_all(request, [prompt], params, req.priority, rid, req.request_id,
+                            whole_answer=not req.stream and req.max_output_tokens is not None)
+    except (APIError, InvalidParameter) as e:  # named as this route names them
+        error = api_error(e)
+        error.param = _PARAM_NAMES.get(error.param, error.param)
+        raise error from e
     tok = engine(request).core.tokenizer
 
     def response(status: str, assembler: OutputAssembler, out: RequestOutput | None,
@@ -136,7 +142,7 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
     if not req.stream:
         (out,) = await collect(request, streams)
         built = assembler()
-        built.feed_whole(out.text)
+        built.feed_whole(out.text)  # a reasoning parser splits the thinking off first
         if req.wants_logprobs:
             built.output[0]["content"][0]["logprobs"] = logprobs(out, delta_only=False)
         built.close(cut_short=out.finish_reason == "length")
