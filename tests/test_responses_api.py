@@ -296,3 +296,35 @@ def test_input_items_become_chat_messages():
     assert [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"]
     assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "one", "name": "f"}
     assert messages[3]["content"] == "two" and messages[3]["name"] == "g"
+
+
+def test_logprobs_are_included_when_asked(server, client):
+    body = dict(model="tiny", input="Hello", max_output_tokens=5, temperature=0,
+                top_logprobs=2, include=["message.output_text.logprobs"])
+    out = client.responses.create(**body)
+    part = out.output[0].content[0]
+    assert len(part.logprobs) == 5
+    assert all(len(lp.top_logprobs) == 2 and lp.bytes == list(lp.token.encode())
+               for lp in part.logprobs)
+    with client.responses.stream(**body) as stream:
+        streamed = [lp for e in stream if e.type == "response.output_text.delta"
+                    for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    plain = client.responses.create(**{**body, "include": []})
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_reasoning_effort_reaches_the_chat_template(server, monkeypatch):
+    inputs = server.engine.inputs
+    seen: list[dict] = []
+    original = inputs.apply_chat_template
+
+    async def recording(messages, add_generation_prompt=True, **kwargs):
+        seen.append(kwargs)
+        return await original(messages, add_generation_prompt, **kwargs)
+
+    monkeypatch.setattr(inputs, "apply_chat_template", recording)
+    r = post(server, {"input": "Hi", "max_output_tokens": 2,
+                      "reasoning": {"effort": "low", "summary": "auto"}})
+    assert r.status_code == 200 and r.json()["reasoning"]["effort"] == "low"
+    assert seen and seen[-1].get("reasoning_effort") == "low"
