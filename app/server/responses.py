@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,6 +46,8 @@ from app.server.streaming import collect, queue_all, started
 from app.server.structured import compiled
 from app.server.tools import ToolCallStream, grammar_for, template_supports_tools
 from app.server.tools import render as render_tools
+
+log = logging.getLogger("ridgeline.server")
 
 # Request fields that name the engine's own: a range error names the Responses field.
 _PARAM_NAMES = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs",
@@ -160,16 +163,19 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
                 last = out
                 for event in built.feed(out.delta_text, logprobs(out, delta_only=True)):
                     yield event
+            for event in built.close(cut_short=last.finish_reason == "length"):
+                yield event
+            done = finished(last, built)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # after the 200: the response failed, said in-band
-            error = api_error(e) or APIError(500, f"internal error: {type(e).__name__}")
+            error = api_error(e)
+            if error is None:
+                log.exception("unexpected error in a streamed response")
+                error = APIError(500, f"internal error: {type(e).__name__}")
             yield {"type": "response.failed", "response": response(
                 "failed", built, last, {"code": "server_error", "message": error.message})}
             return
-        for event in built.close(cut_short=last.finish_reason == "length"):
-            yield event
-        done = finished(last, built)
         # An incomplete response ends with `response.completed` too, as vLLM's does: the
         # openai SDK's stream helper finishes only on that event (its status tells).
         yield {"type": "response.failed" if done["status"] == "failed" else
