@@ -30,6 +30,7 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.server import native, openai
+from app.server.body_checks import check_body
 from app.server.errors import APIError, api_error
 from app.server.http_protocol import with_header_timeout
 from app.server.request_id import HEADER, RequestIdMiddleware
@@ -107,6 +108,7 @@ def endpoint(handler: Handler, needs_body: bool = True) -> Callable[[Request], A
                 _require_json(request)
                 body = await read_json(request, st.settings.max_body_bytes,
                                        st.settings.header_timeout)
+                request.state.body_entries = check_body(body, st.settings)
             return await handler(request, body)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; nginx's code for it

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
+from typing import TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -24,6 +25,8 @@ from app.engine.sampling_params import SamplingParams
 from app.server.deadlines import request_slo
 from app.server.errors import APIError, error_body
 from app.server.state import state
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -125,6 +128,24 @@ async def started(request: Request, streams: list[RequestStream]
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `ClientDisconnected` as soon as the client leaves: the work is
+    cancelled then (a chat template's render kills its worker process)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
 
 
 async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
