@@ -137,8 +137,8 @@ def test_a_request_template_is_refused_without_trust(server, path, body, param):
 
 
 def test_a_trusted_request_template_is_rendered(trusting):
-    r = httpx.post(trusting.url + "/tokenize", json={"messages": HELLO,
-                                                     "chat_template": "<{{ messages[0].content }}>"})
+    template = "<{{ messages[0].content }}>"
+    r = httpx.post(trusting.url + "/tokenize", json={"messages": HELLO, "chat_template": template})
     assert r.status_code == 200, r.text
     r2 = httpx.post(trusting.url + "/tokenize", json={"prompt": "<Hello>",
                                                       "add_special_tokens": False})

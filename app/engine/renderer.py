@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,27 +47,58 @@ class RenderFailed(Exception):
 
 
 class _Worker:
-    def __init__(self, process: asyncio.subprocess.Process):
-        self.process = process
+    """One worker process and its pipes, read and written on the event loop."""
+
+    def __init__(self, process: subprocess.Popen, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, read_transport: asyncio.BaseTransport):
+        self.process, self.reader, self.writer = process, reader, writer
+        self._read_transport = read_transport
+
+    @classmethod
+    async def start(cls, argv: list[str], env: dict[str, str]) -> _Worker:
+        # Popen (vfork) on a thread: the loop's own spawn forks the whole server,
+        # which with a model loaded held the loop for 0.3-0.45 s per worker.
+        process = await asyncio.to_thread(subprocess.Popen, argv, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, env=env, bufsize=0)
+        loop = asyncio.get_running_loop()
+        try:
+            reader = asyncio.StreamReader(limit=1 << 20)
+            read_transport, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
+            transport, protocol = await loop.connect_write_pipe(
+                asyncio.streams.FlowControlMixin, process.stdin)
+        except BaseException:
+            process.kill()
+            raise
+        return cls(process, reader, asyncio.StreamWriter(transport, protocol, reader, loop),
+                   read_transport)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     async def call(self, job: dict[str, Any], max_reply_bytes: int) -> dict[str, Any]:
-        self.process.stdin.write(encode_frame(job))
-        await self.process.stdin.drain()
+        self.writer.write(encode_frame(job))
+        await self.writer.drain()
         return await self.read(max_reply_bytes)
 
     async def read(self, max_reply_bytes: int) -> dict[str, Any]:
-        out = self.process.stdout
-        (size,) = FRAME_HEADER.unpack(await out.readexactly(FRAME_HEADER.size))
+        (size,) = FRAME_HEADER.unpack(await self.reader.readexactly(FRAME_HEADER.size))
         if size > max_reply_bytes:
             raise RenderFailed("too_long", f"the chat template's answer of {size} bytes "
                                f"exceeds {max_reply_bytes}")
-        return json.loads(await out.readexactly(size))
+        return json.loads(await self.reader.readexactly(size))
 
     def kill(self) -> None:
-        if self.process.returncode is None:
+        """SIGKILL, and the pipes closed; `reap` collects the exit status."""
+        if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
-        self.process.stdin.close()  # its pipe, so that nothing is left for the collector
+        self.writer.close()
+        self._read_transport.close()
+
+    async def reap(self) -> None:
+        await asyncio.to_thread(self.process.wait)
 
 
 class RenderPool:
@@ -114,14 +146,16 @@ class RenderPool:
     async def close(self) -> None:
         """Kill every worker (renders in progress end as `unavailable`) and wait for them."""
         self._closed = True
-        for task in list(self._spawning):
-            task.cancel()
+        for w in list(self._workers):
+            w.kill()
+        if self._spawning:  # a start under way ends in a moment; it must not outlive us
+            await asyncio.wait(list(self._spawning), timeout=_START_TIMEOUT)
         workers = list(self._workers)
         for w in workers:
             w.kill()
         for w in workers:
             with contextlib.suppress(Exception):
-                await w.process.wait()
+                await w.reap()
         self._workers.clear()
 
     @property
@@ -140,7 +174,7 @@ class RenderPool:
                     worker = await self._idle.get()
             except TimeoutError:
                 continue
-            if worker.process.returncode is None:
+            if worker.alive:
                 return worker
             self._retire(worker)  # died while idle
 
@@ -149,7 +183,7 @@ class RenderPool:
         if worker in self._workers:
             self._workers.discard(worker)
             # The process is gone; wait for it in the background so it leaves no zombie.
-            self._track(asyncio.ensure_future(worker.process.wait()))
+            self._track(asyncio.ensure_future(worker.reap()))
         if not self._closed:
             self._replace()
 
@@ -164,15 +198,13 @@ class RenderPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT,
                                                            env.get("PYTHONPATH")]))
+        argv = [sys.executable, "-m", "models.render_worker", str(self.memory_bytes)]
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "models.render_worker", str(self.memory_bytes),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+            worker = await _Worker.start(argv, env)
         except OSError as e:
             self._failure = str(e)
             log.error("cannot start a chat template renderer", extra={"error": str(e)})
             return
-        worker = _Worker(process)
         self._workers.add(worker)
         try:
             async with asyncio.timeout(_START_TIMEOUT):
@@ -185,12 +217,15 @@ class RenderPool:
         except Exception as e:
             worker.kill()
             self._workers.discard(worker)
+            self._track(asyncio.ensure_future(worker.reap()))
+            if self._closed:
+                return
             self._failure = f"{type(e).__name__}: {e}"
             log.error("a chat template renderer failed to start",
                       extra={"error": self._failure})
             return
         if self._closed:
-            worker.kill()
+            worker.kill()  # close() reaps it: it is among the workers
             return
         self._failure = None
         self._idle.put_nowait(worker)
