@@ -63,16 +63,20 @@ def trusting(tiny_dir):
     srv.stop()
 
 
-def worker_pids(srv: ServerThread) -> set[int]:
-    return srv.call(lambda: {w.process.pid for w in srv.engine.inputs.renderer._workers})
+def worker_pids(srv: ServerThread, pool: str = "request_renderer") -> set[int]:
+    return srv.call(lambda: {w.process.pid for w in getattr(srv.engine.inputs, pool)._workers})
 
 
-def wait_for_workers(srv: ServerThread, count: int = 2, timeout: float = 20.0) -> set[int]:
+def wait_for_workers(srv: ServerThread, count: int = 2, timeout: float = 20.0,
+                     pool: str = "request_renderer") -> set[int]:
+    """The pool's workers, once `count` are idle (the request templates' pool starts
+    at its first render)."""
+    srv.call(lambda: getattr(srv.engine.inputs, pool).start())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        idle = srv.call(lambda: srv.engine.inputs.renderer._idle.qsize())
+        idle = srv.call(lambda: getattr(srv.engine.inputs, pool)._idle.qsize())
         if idle >= count:
-            return worker_pids(srv)
+            return worker_pids(srv, pool)
         time.sleep(0.05)
     raise TimeoutError("the render workers did not come back")
 
@@ -174,10 +178,10 @@ def test_two_endless_templates_are_refused_within_the_bound_while_serving(trusti
         assert "did not render within" in error["message"]
         assert elapsed < RENDER_TIMEOUT + 5
     assert probe.health and max(probe.health) < 1.0, probe.health
-    # Both workers were busy with the attack: a plain chat waits for a worker at most
-    # the time bound, then is served.
-    assert probe.chats and all(status == 200 for _, status in probe.chats), probe.chats
-    assert max(t for t, _ in probe.chats) < RENDER_TIMEOUT + 5
+    # The request templates have workers of their own: the model's template, and so a
+    # plain chat, is not held while both of theirs are busy.
+    assert len(probe.chats) >= 3 and all(status == 200 for _, status in probe.chats)
+    assert max(t for t, _ in probe.chats) < 1.5, probe.chats
     wait_for_workers(trusting)  # both killed and replaced
     assert httpx.post(trusting.url + "/v1/chat/completions", json=chat()).status_code == 200
 
@@ -222,7 +226,7 @@ def test_the_models_own_template_is_bounded_too(smollm2_dir):
     """A model's template is code as well: bounded, and a 400 naming `messages`."""
     async def run() -> None:
         tokenizer = load_tokenizer(smollm2_dir, NESTED)
-        inputs = InputProcessor(tokenizer, 256, renderer=RenderPool(timeout=1.0))
+        inputs = InputProcessor(tokenizer, 256, render_timeout=1.0)
         inputs.start()
         try:
             t0 = time.perf_counter()
@@ -303,7 +307,9 @@ def test_sigterm_exits_promptly_with_endless_renders(tiny_dir):
                 pass
         for _ in range(2):
             threading.Thread(target=attack, daemon=True).start()
-        time.sleep(1.0)
+        time.sleep(1.5)
+        workers = _children(proc.pid)  # the request templates' pool has started too
+        assert len(workers) == 4, workers
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)

@@ -29,7 +29,6 @@ from app.engine.input_processor import InputProcessor
 from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
 from app.engine.plan import cache_config_info, plan_report
-from app.engine.renderer import RenderPool
 from app.engine.request import RequestSLO
 from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
@@ -104,9 +103,9 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0):
         self.core = core
-        self.inputs = InputProcessor(core.tokenizer, core.max_model_len, renderer=RenderPool(
-            timeout=core.config.chat_template_render_timeout,
-            memory_bytes=core.config.chat_template_render_memory))
+        self.inputs = InputProcessor(core.tokenizer, core.max_model_len,
+                                     render_timeout=core.config.chat_template_render_timeout,
+                                     render_memory=core.config.chat_template_render_memory)
         self.model_name = model_name
         self.metrics = Metrics(model_name, core.max_model_len)
         self.metrics.block_report = core.block_report

@@ -12,7 +12,10 @@
 - A conversation is rendered by its chat template in a worker process
   (`app/engine/renderer.py`: bounded in time, memory and output, killed when its
   client leaves), then tokenised here like a prompt. The output bound is the same
-  `max_chars`: a rendered text longer than that could not fit either.
+  `max_chars`: a rendered text longer than that could not fit either. Templates sent
+  with requests (`--trust-request-chat-template`) render in a pool of their own, started
+  at the first one: a client's template that runs to its time bound then holds none of
+  the workers the model's own template needs.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from models.tokenizer import chat_render_job, encode_rendered
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_THREADS = 2
+RENDER_WORKERS = 2  # per pool: the model's template's, and requests' templates'
 
 
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, threads: int = TOKENIZER_THREADS,
-                 renderer: RenderPool | None = None):
+                 render_timeout: float = 5.0, render_memory: int = 512 << 20):
         self.tokenizer = tokenizer
-        self.renderer = renderer or RenderPool()
+        self.renderer = RenderPool(RENDER_WORKERS, render_timeout, render_memory)
+        self.request_renderer = RenderPool(RENDER_WORKERS, render_timeout, render_memory)
         self.max_model_len = max_model_len
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_model_len * max(1, longest_token)
@@ -71,12 +76,13 @@ class InputProcessor:
             if isinstance(content, str):
                 total += len(content)
                 self.check_text(content, f"{param}[{i}].content", total)
+        renderer = self.renderer
         if template_kwargs.get("chat_template") is not None:
-            param = "chat_template"
+            param, renderer = "chat_template", self.request_renderer
         try:
             job = chat_render_job(self.tokenizer, messages, add_generation_prompt,
                                   **template_kwargs)
-            text = await self.renderer.render(job, self.max_chars)
+            text = await renderer.render(job, self.max_chars)
         except RenderFailed as e:
             if e.kind == "unavailable":
                 raise EngineDead(str(e)) from e
@@ -101,9 +107,10 @@ class InputProcessor:
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
     def start(self) -> None:
-        """Start the template workers (in the background: nothing waits for them)."""
+        """Start the model's template workers (in the background: nothing waits)."""
         self.renderer.start()
 
     async def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         await self.renderer.close()
+        await self.request_renderer.close()

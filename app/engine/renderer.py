@@ -9,8 +9,9 @@ no torch, no server), spoken to through their pipes, and a worker whose render w
 past a bound is killed and replaced. The output comes back as text; tokenising it stays
 on the tokenizer threads (`app/engine/input_processor.py`).
 
-Workers start in the background when the pool starts (after the model has loaded) and
-each render waits for an idle one; a worker killed mid-render is replaced the same way.
+Workers start in the background when the pool starts (after the model has loaded, or
+at its first render) and each render waits for an idle one; a worker killed mid-render
+is replaced the same way.
 """
 
 from __future__ import annotations
@@ -108,16 +109,22 @@ class RenderPool:
         self._workers: set[_Worker] = set()
         self._spawning: set[asyncio.Task] = set()
         self._closed = False
+        self._started = False
         self._failure: str | None = None
 
     def start(self) -> None:
-        """Start the workers in the background; renders wait for the first idle one."""
+        """Start the workers in the background; renders wait for the first idle one.
+        A pool not started starts at its first render."""
+        if self._started:
+            return
+        self._started = True
         for _ in range(self.size):
             self._replace()
 
     async def render(self, job: dict[str, Any], max_chars: int) -> str:
         """The template's text, or `RenderFailed`. Cancelling the caller (its client left)
         kills the worker of its render."""
+        self.start()
         worker = await self._take()
         keep = False
         try:
