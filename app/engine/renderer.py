@@ -103,6 +103,10 @@ class _Worker:
 
 
 class RenderPool:
+    """`size` workers; a render takes an idle one, and gives it back unless the render
+    went past a bound, was cancelled, or the worker died (then it is killed and a new
+    one started)."""
+
     def __init__(self, size: int = 2, timeout: float = 5.0, memory_bytes: int = 512 << 20):
         self.size, self.timeout, self.memory_bytes = size, timeout, memory_bytes
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
@@ -129,9 +133,10 @@ class RenderPool:
         keep = False
         try:
             async with asyncio.timeout(self.timeout):
-                # Four bytes per character at most (ASCII JSON escapes), plus the frame.
+                # ASCII JSON: at most twelve bytes a character (two \uXXXX escapes
+                # beyond the BMP), plus the frame's own keys.
                 reply = await worker.call({**job, "max_output_chars": max_chars},
-                                          6 * max_chars + 4096)
+                                          12 * max_chars + 4096)
             keep = "text" in reply or reply.get("kind") in ("template", "too_long")
         except TimeoutError:
             raise RenderFailed("timeout", f"the chat template did not render within "
