@@ -110,7 +110,12 @@ class InputProcessor:
         """Start the model's template workers (in the background: nothing waits)."""
         self.renderer.start()
 
-    async def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    async def stop_rendering(self) -> None:
+        """Kill the template workers: renders in progress end now (503), not at their
+        time bound, and later ones are refused."""
         await self.renderer.close()
         await self.request_renderer.close()
+
+    async def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.stop_rendering()

@@ -326,6 +326,7 @@ class DrainingServer(uvicorn.Server):
         failed = engine.fail_unfinished("server shut down before completion")
         if failed:
             log.warning("ended unfinished requests", extra={"count": failed})
+        await engine.inputs.stop_rendering()  # a render in progress would hold its client
         await asyncio.sleep(0.2)  # let the error events reach the clients
         self._exit()
 
