@@ -373,3 +373,30 @@ def test_a_body_of_many_parts_is_validated_off_the_loop(server):
         time.sleep(0.2)
     assert r.status_code == 400, r.text  # the rendered conversation cannot fit
     assert probe.health and max(probe.health) < 0.5, probe.health
+
+
+def test_a_pool_whose_workers_cannot_start_refuses_at_once_then_recovers(monkeypatch):
+    """No worker: a render is a quick `unavailable` (the server's 503), not a wait;
+    the pool keeps trying, and renders again once a worker starts."""
+    from app.engine import renderer
+
+    async def run() -> None:
+        real = renderer.sys.executable
+        monkeypatch.setattr(renderer.sys, "executable", "/nonexistent/python")
+        pool = RenderPool()
+        pool.start()
+        await asyncio.sleep(0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(renderer.RenderFailed) as e:
+            await pool.render({"template": "x", "messages": HELLO}, 100)
+        assert e.value.kind == "unavailable" and time.perf_counter() - t0 < 0.5
+        monkeypatch.setattr(renderer.sys, "executable", real)
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    assert await pool.render({"template": "x", "messages": HELLO}, 100) == "x"
+                    break
+                except renderer.RenderFailed:
+                    await asyncio.sleep(0.2)
+        await pool.close()
+    asyncio.run(run())

@@ -115,6 +115,8 @@ class RenderPool:
         self._closed = False
         self._started = False
         self._failure: str | None = None
+        self._retries: set[asyncio.TimerHandle] = set()
+        self._retry_delay = 1.0  # doubled at each failed start, up to a minute
 
     def start(self) -> None:
         """Start the workers in the background; renders wait for the first idle one.
@@ -158,6 +160,8 @@ class RenderPool:
     async def close(self) -> None:
         """Kill every worker (renders in progress end as `unavailable`) and wait for them."""
         self._closed = True
+        for handle in self._retries:
+            handle.cancel()
         for w in list(self._workers):
             w.kill()
         if self._spawning:  # a start under way ends in a moment; it must not outlive us
@@ -202,6 +206,17 @@ class RenderPool:
     def _replace(self) -> None:
         self._track(asyncio.ensure_future(self._spawn()))
 
+    def _retry_later(self) -> None:
+        """Start another worker a little later; meanwhile, with no worker left, renders
+        are refused at once (503) instead of waiting."""
+        def retry() -> None:
+            self._retries.discard(handle)
+            if not self._closed:
+                self._replace()
+        handle = asyncio.get_running_loop().call_later(self._retry_delay, retry)
+        self._retry_delay = min(60.0, 2 * self._retry_delay)
+        self._retries.add(handle)
+
     def _track(self, task: asyncio.Future) -> None:
         self._spawning.add(task)
         task.add_done_callback(self._spawning.discard)
@@ -216,6 +231,7 @@ class RenderPool:
         except OSError as e:
             self._failure = str(e)
             log.error("cannot start a chat template renderer", extra={"error": str(e)})
+            self._retry_later()
             return
         self._workers.add(worker)
         try:
@@ -235,9 +251,10 @@ class RenderPool:
             self._failure = f"{type(e).__name__}: {e}"
             log.error("a chat template renderer failed to start",
                       extra={"error": self._failure})
+            self._retry_later()
             return
         if self._closed:
             worker.kill()  # close() reaps it: it is among the workers
             return
-        self._failure = None
+        self._failure, self._retry_delay = None, 1.0
         self._idle.put_nowait(worker)
