@@ -165,12 +165,22 @@ class EngineConfig:
         "exact run's")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
+    chat_template_render_timeout: float = setting(
+        5.0, "seconds one chat template render may take (a 400 beyond); renders run in "
+        "worker processes that are killed past it")
+    chat_template_render_memory: int | str = setting(
+        "512MiB", "address space of each chat template worker process (RLIMIT_AS); a render "
+        "that needs more is a 400")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "chat_template_render_memory",
+                           parse_bytes(self.chat_template_render_memory))
+        _positive("chat_template_render_timeout", self.chat_template_render_timeout, 0.01)
+        _positive("chat_template_render_memory", self.chat_template_render_memory, 64 << 20)
         _positive("torch_threads", self.torch_threads)
         if self.int8_activations and not self.cpu_quantized_matmul:
             raise ValueError("int8_activations reads a GGUF's blocks: it needs "
@@ -227,6 +237,13 @@ class ServerSettings:
         "client-chosen id or abort_all", env="RIDGELINE_ADMIN_API_KEY")
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
                                   flags=("--max-request-body-bytes",))
+    max_chat_messages: int = setting(2048, "most messages in one chat request (400 beyond)")
+    max_content_parts: int = setting(256, "most content parts in one chat message (400 "
+                                     "beyond)")
+    max_tools: int = setting(128, "most tools in one chat request (400 beyond)")
+    trust_request_chat_template: bool = setting(
+        False, "accept a chat template sent in a request (`chat_template`, or "
+        "`chat_template_kwargs.chat_template`); without it such a request is a 400")
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
                                       "flight before ending them with an error")
     log_stats_interval: float = setting(10.0, "seconds between stats lines (0: never)")
@@ -259,6 +276,9 @@ class ServerSettings:
     def __post_init__(self) -> None:
         _positive("max_seqs_per_request", self.max_seqs_per_request)
         _positive("max_tokens_per_request", self.max_tokens_per_request)
+        _positive("max_chat_messages", self.max_chat_messages)
+        _positive("max_content_parts", self.max_content_parts)
+        _positive("max_tools", self.max_tools)
         _positive("responses_store_max_entries", self.responses_store_max_entries, 0)
         _positive("responses_store_max_bytes", self.responses_store_max_bytes, 0)
 

@@ -18,12 +18,17 @@ renderers to the same text on every template the tests carry:
   the model goes on writing that message;
 - a model with several named templates renders with `tool_use` when tools are given,
   else `default`; a `chat_template` argument may name one or be a template itself.
+
+A template is code, and code can loop or allocate without end: the server renders in
+worker processes (`models/render_worker.py`) that it can kill. The one bound checked
+here is the output's length (`max_output_chars`): the text is built piece by piece and
+the render stops once it is longer, instead of finishing a text no model could take.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -35,6 +40,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class OutputTooLong(ValueError):
+    """The template wrote more than `max_output_chars` characters."""
 
 
 def select_template(own: str | dict[str, str] | None, override: str | None = None,
@@ -62,9 +71,11 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
                 tools: Sequence[Mapping[str, Any]] | None = None,
                 documents: Sequence[Mapping[str, Any]] | None = None,
                 add_generation_prompt: bool = False,
-                continue_final_message: bool = False, **variables: Any) -> str:
+                continue_final_message: bool = False, max_output_chars: int | None = None,
+                **variables: Any) -> str:
     """One conversation through `template`; `variables` (the special tokens, a request's
-    chat_template_kwargs) are the template's too."""
+    chat_template_kwargs) are the template's too. Past `max_output_chars` characters of
+    output the render stops with `OutputTooLong`."""
     if not messages:
         raise ValueError("Cannot apply chat template to an empty conversation. Provide at "
                          "least one message.")
@@ -81,9 +92,10 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
             raise ValueError("continue_final_message is set but the final message has no "
                              "text content the template reads")
         chat[-1]["content"] = final + _CONTINUE_TAG
-    text = _compiled(template).render(
+    pieces = _compiled(template).generate(
         messages=chat, tools=_plain(tools), documents=_plain(documents),
         add_generation_prompt=add_generation_prompt, **_plain(variables))
+    text = _joined(pieces, max_output_chars)
     if final is None:
         return text
     tag = _CONTINUE_TAG.strip()
@@ -93,6 +105,19 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
     at = text.rindex(tag)
     return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG \
         else text[:at].rstrip()
+
+
+def _joined(pieces: Iterable[str], max_chars: int | None) -> str:
+    """The rendered text, as `Template.render` joins it, stopping past `max_chars`."""
+    if max_chars is None:
+        return "".join(pieces)
+    out, size = [], 0
+    for piece in pieces:
+        size += len(piece)
+        if size > max_chars:
+            raise OutputTooLong(f"the chat template wrote more than {max_chars} characters")
+        out.append(piece)
+    return "".join(out)
 
 
 def _message(m: Mapping[str, Any]) -> dict[str, Any]:

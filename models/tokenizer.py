@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.chat_template import select_template
 from models.tokenizer_json import TokenizerJson
 
 if TYPE_CHECKING:
@@ -88,7 +89,9 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> list[int]:
-    """Render `messages` with the model's chat template and return the token ids.
+    """Render `messages` with the model's chat template and return the token ids, in
+    this thread (the offline `LLM`; the server renders in `app/engine/renderer.py`'s
+    processes from `chat_render_job`, then calls `encode_rendered`).
 
     Extra keyword arguments (tools, documents, ...) go to the template unchanged.
     """
@@ -106,6 +109,48 @@ def apply_chat_template(
     if out and isinstance(out[0], list):  # a batch of one
         out = out[0]
     return [int(i) for i in out]
+
+
+def chat_render_job(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    chat_template: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    **variables: Any,
+) -> dict[str, Any]:
+    """What `models/chat_template.py`'s `render_chat` needs to render this conversation
+    as `apply_chat_template` would, as plain JSON for a worker process: the template
+    chosen as transformers chooses it, and the special tokens beside the variables
+    (a variable of the same name wins, as in transformers)."""
+    template = select_template(tokenizer.chat_template, chat_template, tools)
+    return {"template": template, "messages": list(messages), "tools": tools,
+            "documents": documents, "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "variables": {**_special_tokens(tokenizer), **variables}}
+
+
+def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of a rendered conversation: its text holds its special tokens already."""
+    rust = getattr(tokenizer, "backend_tokenizer", None)
+    if rust is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    (encoding,) = rust.encode_batch([text], add_special_tokens=False)
+    return encoding.ids
+
+
+def _special_tokens(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The special tokens as templates read them (`bos_token`, ...): plain text."""
+    out = {}
+    for name, token in getattr(tokenizer, "special_tokens_map", {}).items():
+        if isinstance(token, list):
+            out[name] = [str(t) for t in token]
+        elif token is not None:
+            out[name] = str(token)
+    return out
 
 
 class FastDecoder:

@@ -114,7 +114,9 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0):
         self.core = core
-        self.inputs = InputProcessor(core.tokenizer, core.max_model_len)
+        self.inputs = InputProcessor(core.tokenizer, core.max_model_len,
+                                     render_timeout=core.config.chat_template_render_timeout,
+                                     render_memory=core.config.chat_template_render_memory)
         self.model_name = model_name
         self.metrics = Metrics(model_name, core.max_model_len)
         self.metrics.block_report = core.block_report
@@ -135,6 +137,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop(), name="engine-loop")
         self._lag_task = loop.create_task(self._watch_lag(), name="loop-lag")
+        self.inputs.start()
 
     async def _watch_lag(self, period: float = 0.01) -> None:
         """Measure how late a 10 ms timer fires: the event loop's responsiveness."""
@@ -152,7 +155,7 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        self.inputs.shutdown()
+        await self.inputs.shutdown()
         await asyncio.to_thread(self.core.shutdown)
 
     @property

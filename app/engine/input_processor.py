@@ -6,9 +6,16 @@
   fits is ever refused by it.
 - A lone surrogate (JSON lets a client send `"\\ud800"`) is not text: refused with a 400
   naming the field, instead of failing deep in the tokeniser.
-- Tokenising and templating run on a small thread pool. The Rust tokeniser releases
-  the GIL only in its batch call, so that is the call made; a 250 K-character prompt
-  costs ~250 ms of tokeniser time, which on the loop would freeze every stream.
+- Tokenising runs on a small thread pool. The Rust tokeniser releases the GIL only in
+  its batch call, so that is the call made; a 250 K-character prompt costs ~250 ms of
+  tokeniser time, which on the loop would freeze every stream.
+- A conversation is rendered by its chat template in a worker process
+  (`app/engine/renderer.py`: bounded in time, memory and output, killed when its
+  client leaves), then tokenised here like a prompt. The output bound is the same
+  `max_chars`: a rendered text longer than that could not fit either. Templates sent
+  with requests (`--trust-request-chat-template`) render in a pool of their own, started
+  at the first one: a client's template that runs to its time bound then holds none of
+  the workers the model's own template needs.
 """
 
 from __future__ import annotations
@@ -19,16 +26,21 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from app.engine.errors import InvalidParameter
-from models.tokenizer import apply_chat_template
+from app.engine.errors import EngineDead, InvalidParameter
+from app.engine.renderer import RenderFailed, RenderPool
+from models.tokenizer import chat_render_job, encode_rendered
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_THREADS = 2
+RENDER_WORKERS = 2  # per pool: the model's template's, and requests' templates'
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, threads: int = TOKENIZER_THREADS):
+    def __init__(self, tokenizer, max_model_len: int, threads: int = TOKENIZER_THREADS,
+                 render_timeout: float = 5.0, render_memory: int = 512 << 20):
         self.tokenizer = tokenizer
+        self.renderer = RenderPool(RENDER_WORKERS, render_timeout, render_memory)
+        self.request_renderer = RenderPool(RENDER_WORKERS, render_timeout, render_memory)
         self.max_model_len = max_model_len
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_model_len * max(1, longest_token)
@@ -55,20 +67,30 @@ class InputProcessor:
     async def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                                   add_generation_prompt: bool = True,
                                   param: str = "messages", **template_kwargs: Any) -> list[int]:
-        """The conversation's token ids; a template that cannot render it is a 400."""
+        """The conversation's token ids; a template that cannot render it, or not within
+        its bounds, is a 400 naming `chat_template` when the request supplied the
+        template, else `param`."""
         total = 0
         for i, m in enumerate(messages):
             content = m.get("content")
             if isinstance(content, str):
                 total += len(content)
                 self.check_text(content, f"{param}[{i}].content", total)
+        renderer = self.renderer
+        if template_kwargs.get("chat_template") is not None:
+            param, renderer = "chat_template", self.request_renderer
         try:
-            return await self._run(apply_chat_template, self.tokenizer, messages,
-                                   add_generation_prompt, **template_kwargs)
-        except InvalidParameter:
-            raise
-        except Exception as e:  # the template's own checks (roles, order) are the input's
+            job = chat_render_job(self.tokenizer, messages, add_generation_prompt,
+                                  **template_kwargs)
+            text = await renderer.render(job, self.max_chars)
+        except RenderFailed as e:
+            if e.kind == "unavailable":
+                raise EngineDead(str(e)) from e
             raise InvalidParameter(param, f"cannot apply the chat template: {e}") from e
+        except (ValueError, TypeError) as e:  # no template, or a bad argument to it
+            raise InvalidParameter(param, f"cannot apply the chat template: {e}") from e
+        self.check_text(text, param)
+        return await self._run(encode_rendered, self.tokenizer, text)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._run(self.tokenizer.decode, token_ids)
@@ -84,5 +106,16 @@ class InputProcessor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    def shutdown(self) -> None:
+    def start(self) -> None:
+        """Start the model's template workers (in the background: nothing waits)."""
+        self.renderer.start()
+
+    async def stop_rendering(self) -> None:
+        """Kill the template workers: renders in progress end now (503), not at their
+        time bound, and later ones are refused."""
+        await self.renderer.close()
+        await self.request_renderer.close()
+
+    async def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.stop_rendering()

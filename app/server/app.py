@@ -31,6 +31,7 @@ from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
 from app.server import native, openai, responses
 from app.server.auth import authorize
+from app.server.body_checks import check_body
 from app.server.errors import APIError, api_error
 from app.server.hosts import HostCheckMiddleware
 from app.server.http_protocol import with_header_timeout
@@ -103,6 +104,7 @@ def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False
                 _require_json(request)
                 body = await read_json(request, st.settings.max_body_bytes,
                                        st.settings.header_timeout)
+                request.state.body_entries = check_body(body, st.settings)
             return await handler(request, body)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; nginx's code for it
@@ -340,6 +342,7 @@ class DrainingServer(uvicorn.Server):
         failed = engine.fail_unfinished("server shut down before completion")
         if failed:
             log.warning("ended unfinished requests", extra={"count": failed})
+        await engine.inputs.stop_rendering()  # a render in progress would hold its client
         await asyncio.sleep(0.2)  # let the error events reach the clients
         self._exit()
 

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
 from app.server.auth import is_admin
+from app.server.body_checks import off_loop_if_large
 from app.server.errors import APIError, parse, parse_params
 from app.server.logprobs import output_entries, prompt_entries
 from app.server.protocol import (
@@ -27,7 +28,7 @@ from app.server.protocol import (
     TokenizeRequest,
 )
 from app.server.state import engine
-from app.server.streaming import collect, queue_all, sse, started
+from app.server.streaming import collect, queue_all, sse, started, unless_disconnected
 from app.server.structured import compiled, from_sglang
 
 
@@ -81,14 +82,17 @@ async def generate(request: Request, body: dict) -> JSONResponse | EventSourceRe
 
 
 async def tokenize(request: Request, body: dict) -> JSONResponse:
-    req = parse(TokenizeRequest, body)
+    req = await off_loop_if_large(request, lambda: parse(TokenizeRequest, body))
     core = engine(request).core
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
     inputs = engine(request).inputs
     if req.messages is not None:
-        ids = await inputs.apply_chat_template([m.template_dict() for m in req.messages],
-                                               req.add_generation_prompt)
+        kwargs = {} if req.chat_template is None else {"chat_template": req.chat_template}
+        messages = await off_loop_if_large(
+            request, lambda: [m.template_dict() for m in req.messages])
+        ids = await unless_disconnected(request, inputs.apply_chat_template(
+            messages, req.add_generation_prompt, **kwargs))
     else:
         ids = await inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": core.max_model_len})

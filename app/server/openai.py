@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
+from app.server.body_checks import off_loop_if_large
 from app.server.errors import APIError, parse
 from app.server.logprobs import (
     chat_logprobs,
@@ -30,7 +31,7 @@ from app.server.protocol import (
     usage,
 )
 from app.server.state import check_model, default_max_tokens, engine, state
-from app.server.streaming import collect, queue_all, sse, started
+from app.server.streaming import collect, queue_all, sse, started, unless_disconnected
 from app.server.structured import compiled, from_openai
 from app.server.tools import ToolCallStream, grammar_for, template_supports_tools
 from app.server.tools import parse as parse_tool_calls
@@ -145,7 +146,7 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
 
 
 async def chat_completions(request: Request, body: dict) -> JSONResponse | EventSourceResponse:
-    req = parse(ChatCompletionRequest, body)
+    req = await off_loop_if_large(request, lambda: parse(ChatCompletionRequest, body))
     model = check_model(request, req.model)
     tok = engine(request).core.tokenizer
     prompt, tool_so, tool_list = await _chat_prompt(request, req)
@@ -243,7 +244,8 @@ async def _chat_prompt(request: Request, req: ChatCompletionRequest):
                        "continue_final_message")
     in_play = tools if choice != "none" else None
     native = template_supports_tools(engine(request).core.tokenizer, req.chat_template)
-    messages, kwargs = render_tools([m.template_dict() for m in req.messages], in_play, native)
+    messages, kwargs = await off_loop_if_large(request, lambda: render_tools(
+        [m.template_dict() for m in req.messages], in_play, native))
     kwargs |= req.chat_template_kwargs or {}
     if req.documents is not None:
         kwargs["documents"] = req.documents
@@ -251,8 +253,8 @@ async def _chat_prompt(request: Request, req: ChatCompletionRequest):
         kwargs["chat_template"] = req.chat_template
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
-    prompt = await engine(request).inputs.apply_chat_template(
-        messages, req.add_generation_prompt, **kwargs)
+    prompt = await unless_disconnected(request, engine(request).inputs.apply_chat_template(
+        messages, req.add_generation_prompt, **kwargs))
     try:
         grammar = grammar_for(in_play, choice, req.parallel_tool_calls) if in_play else None
     except ValueError as e:
@@ -266,7 +268,7 @@ async def _chat_prompt(request: Request, req: ChatCompletionRequest):
 async def chat_render(request: Request, body: dict) -> JSONResponse:
     """What `/v1/chat/completions` would feed the model, without running it: vLLM's
     render endpoint, which vllm-router calls on every replica to route by prefix."""
-    req = parse(ChatCompletionRequest, body)
+    req = await off_loop_if_large(request, lambda: parse(ChatCompletionRequest, body))
     model = check_model(request, req.model)
     prompt, _, _ = await _chat_prompt(request, req)
     return JSONResponse(_rendered(req, model, prompt))

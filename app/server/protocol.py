@@ -282,10 +282,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Tool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = None  # how many: app/server/body_checks.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    chat_template: str | None = Field(None, max_length=1 << 16)  # vLLM's: per request
+    # vLLM's: per request, with --trust-request-chat-template (app/server/body_checks.py)
+    chat_template: str | None = Field(None, max_length=1 << 16)
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
 
@@ -372,6 +373,7 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = Field(None, max_length=1 << 16)  # as the chat body's
 
 
 class DetokenizeRequest(Body):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
+from typing import TypeVar
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -30,6 +31,7 @@ from app.server.state import state
 # The default bound on one request's tokens, in full contexts: n = 64 (OpenAI's most
 # samples per prompt here) of the longest requests still fit.
 MAX_CONTEXTS_PER_REQUEST = 64
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -163,6 +165,24 @@ async def started(request: Request, streams: list[RequestStream]
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or `ClientDisconnected` as soon as the client leaves: the work is
+    cancelled then (a chat template's render kills its worker process)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
 
 
 async def collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
