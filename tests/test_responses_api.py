@@ -30,7 +30,8 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    settings = ServerSettings(log_stats_interval=0.05, responses_store_max_entries=3)
+    settings = ServerSettings(log_stats_interval=0.05, responses_store_max_entries=3,
+                              max_chat_messages=16, max_content_parts=4)
     srv = ServerThread(tiny_config(tiny_dir, max_model_len=512), settings).start()
     yield srv
     srv.stop()
@@ -328,3 +329,17 @@ def test_reasoning_effort_reaches_the_chat_template(server, monkeypatch):
                       "reasoning": {"effort": "low", "summary": "auto"}})
     assert r.status_code == 200 and r.json()["reasoning"]["effort"] == "low"
     assert seen and seen[-1].get("reasoning_effort") == "low"
+
+
+def test_the_chat_counts_bound_the_input_and_the_stored_conversation(server):
+    many = [{"role": "user", "content": "hi"}] * 17
+    r = post(server, {"input": many, "max_output_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "--max-chat-messages" in r.json()["error"]["message"]
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 5}]
+    r = post(server, {"input": parts, "max_output_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content"
+    first = post(server, {"input": many[:15], "max_output_tokens": 1}).json()  # 16 stored
+    r = post(server, {"input": "one more", "previous_response_id": first["id"],
+                      "max_output_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"

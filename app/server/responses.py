@@ -28,6 +28,7 @@ from app.engine.errors import InvalidParameter
 from app.engine.grammar import StructuredOutput
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
+from app.server.body_checks import _at_most, off_loop_if_large
 from app.server.errors import APIError, api_error, parse
 from app.server.logprobs import chat_logprobs, output_entries
 from app.server.protocol import now
@@ -41,7 +42,7 @@ from app.server.responses_protocol import (
     ReasoningItem,
     ResponsesRequest,
 )
-from app.server.state import check_model, default_max_tokens, engine
+from app.server.state import check_model, default_max_tokens, engine, state
 from app.server.streaming import collect, queue_all, started
 from app.server.structured import compiled
 from app.server.tools import ToolCallStream, grammar_for, template_supports_tools
@@ -64,7 +65,8 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 async def create(request: Request, body: dict) -> JSONResponse | EventSourceResponse:
-    req = parse(ResponsesRequest, body)
+    _count_input(request, body)
+    req = await off_loop_if_large(request, lambda: parse(ResponsesRequest, body))
     model = check_model(request, req.model)
     earlier: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -72,9 +74,16 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
         if stored is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         earlier = stored.conversation
-    conversation = earlier + to_messages(req.input, earlier)
+    conversation = earlier + await off_loop_if_large(request, lambda: to_messages(
+        req.input, earlier))
     if not conversation:
         raise APIError(400, "input must not be empty", "input")
+    limit = state(request).settings.max_chat_messages
+    if len(conversation) > limit:  # a stored conversation counts as sent messages
+        raise APIError(400, f"the conversation has {len(conversation)} messages; at most "
+                       f"{limit} are accepted (the server's --max-chat-messages)",
+                       "previous_response_id" if earlier else "input")
+    request.state.body_entries = getattr(request.state, "body_entries", 0) + len(earlier)
     prompt, tool_grammar, tools, conversation = await _prompt(request, req, conversation)
     if req.wants_logprobs and tools:
         raise APIError(400, "message.output_text.logprobs cannot be included while tools are "
@@ -200,6 +209,24 @@ async def delete(request: Request, body: None) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
+def _count_input(request: Request, body: Any) -> None:
+    """The chat route's counts, for input items and their parts, before validation."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return
+    settings = state(request).settings
+    _at_most(items, settings.max_chat_messages, "input", "--max-chat-messages")
+    entries = len(items)
+    for i, item in enumerate(items):
+        parts = (item.get("content") if item.get("type", "message") == "message"
+                 else item.get("output")) if isinstance(item, dict) else None
+        if isinstance(parts, list):
+            _at_most(parts, settings.max_content_parts, f"input.{i}.content",
+                     "--max-content-parts")
+            entries += len(parts)
+    request.state.body_entries = getattr(request.state, "body_entries", 0) + entries
+
+
 def _no_query(request: Request) -> None:
     """A stored response is returned as it was answered: `stream` and `include`
     cannot be applied to it afterwards."""
@@ -245,7 +272,8 @@ async def _prompt(request: Request, req: ResponsesRequest, conversation: list[di
         req.reasoning and req.reasoning.effort) else {}
 
     async def render(messages: list[dict[str, Any]]) -> list[int]:
-        rendered, kwargs = render_tools(system + messages, in_play, native)
+        rendered, kwargs = await off_loop_if_large(request, lambda: render_tools(
+            system + messages, in_play, native))
         return await inputs.apply_chat_template(rendered, True, param="input",
                                                 **kwargs, **kwargs_extra)
 
