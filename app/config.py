@@ -225,6 +225,9 @@ class ServerSettings:
         None, "the operator's key (SGLang's flag): required on /reset_prefix_cache when set, "
         "accepted on every route, and the only key that lets /abort_request abort by a "
         "client-chosen id or abort_all", env="RIDGELINE_ADMIN_API_KEY")
+    reasoning_parser: str | None = setting(
+        None, "split the model's <think>...</think> from its answer: reasoning_content in "
+        "chat, thinking blocks in /v1/messages (vLLM's names)", choices=("qwen3", "deepseek_r1"))
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
                                   flags=("--max-request-body-bytes",))
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
@@ -253,6 +256,9 @@ class ServerSettings:
     def __post_init__(self) -> None:
         _positive("max_seqs_per_request", self.max_seqs_per_request)
         _positive("max_tokens_per_request", self.max_tokens_per_request)
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(f"reasoning_parser must be qwen3 or deepseek_r1, "
+                             f"got {self.reasoning_parser!r}")
 
     @classmethod
     def from_kwargs(cls, **flat: Any) -> ServerSettings:

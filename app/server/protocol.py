@@ -273,6 +273,7 @@ class NamedToolChoice(Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    IGNORED = IGNORED_OPENAI  # the reasoning switches are honoured here (`reasoning.py`)
     ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "echo": (None, False)}
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -288,6 +289,12 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, max_length=1 << 16)  # vLLM's: per request
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
+    # With --reasoning-parser: vLLM's include_reasoning (false drops the reasoning), SGLang's
+    # separate_reasoning (false leaves it in content) and stream_reasoning (false sends it
+    # in one piece once thinking ends).
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     # What the render itself takes: set through the request's own (typed) fields, or not
     # at all (a second value for one argument of the render is a TypeError).
