@@ -11,7 +11,9 @@ order) with the output forced to a known text by a regex.
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -21,6 +23,7 @@ import pytest
 from app.config import EngineConfig, ServerSettings
 from app.engine.grammar import StructuredOutput
 from app.server import anthropic as anthropic_routes
+from app.server.anthropic_protocol import MessagesRequest, OutputConfig
 from app.server.structured import compiled
 from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
 
@@ -90,6 +93,18 @@ def test_a_forced_tool_call_fits_its_schema_and_the_loop_completes(smollm2):
                                    tools=[WEATHER], extra_body=GREEDY)
     assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.content
     assert_idle_and_clean(srv)
+
+
+@pytest.mark.slow
+def test_an_output_format_is_followed(smollm2):
+    client, _ = smollm2
+    schema = {"type": "object", "required": ["capital"], "additionalProperties": False,
+              "properties": {"capital": {"type": "string", "maxLength": 30}}}
+    msg = client.messages.create(
+        model="smollm2", max_tokens=40, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "France's capital, as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
 
 
 @pytest.mark.slow
@@ -240,3 +255,47 @@ def test_raw_stream_events_follow_anthropics_order(tiny, forced):
     assert events[:4] == ["message_start", "ping", "content_block_start",
                           "content_block_delta"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+# -- docs/api.md's table of the route's fields ---------------------------------------------
+
+
+def _documented() -> dict[str, str]:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    table = text[text.index("| messages field |"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        names, treatment = (c.strip() for c in line.strip("|").split("|")[:2])
+        for name in re.findall(r"`([^`]+)`", names):
+            rows.setdefault(name, treatment.split(" ")[0])
+    return rows
+
+
+def test_the_table_lists_every_field_and_each_does_what_it_says(tiny):
+    client, srv = tiny
+    rows = _documented()
+    declared = {f.alias or name for name, f in MessagesRequest.model_fields.items()}
+    declared |= set(MessagesRequest.IGNORED)
+    declared |= {f"output_config.{name}" for name in OutputConfig.model_fields} | {
+        f"output_config.{name}" for name in OutputConfig.ONLY_DEFAULT}
+    declared -= {"output_config"}
+    assert declared <= set(rows), declared - set(rows)
+    base = {"model": "tiny", "max_tokens": 5, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]}
+    key = {"x-api-key": "secret"}
+
+    def post(body):
+        return httpx.post(srv.url + "/v1/messages", json=body, headers=key, timeout=60)
+    plain = post(base).json()["content"]
+    for name, value in (("metadata", {"user_id": "u"}), ("service_tier", "auto"),
+                        ("cache_control", {"type": "ephemeral"})):
+        assert rows[name] == "ignored"
+        r = post(base | {name: value})
+        assert r.status_code == 200 and r.json()["content"] == plain, (name, r.text)
+    r = post(base | {"output_config": {"effort": "high"}})
+    assert r.status_code == 400 and "output_config.effort" in r.json()["error"]["message"]
+    for name in ("container", "mcp_servers", "context_management", "no_such_field"):
+        r = post(base | {name: "x"})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], name
+    r = post(base | {"tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    assert r.status_code == 400 and "tools.0" in r.json()["error"]["message"]
