@@ -10,6 +10,7 @@ order) with the output forced to a known text by a regex.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -22,6 +23,7 @@ import pytest
 
 from app.config import EngineConfig, ServerSettings
 from app.engine.grammar import StructuredOutput
+from app.engine.outputs import RequestOutput
 from app.server import anthropic as anthropic_routes
 from app.server.anthropic_protocol import MessagesRequest, OutputConfig
 from app.server.structured import compiled
@@ -299,3 +301,53 @@ def test_the_table_lists_every_field_and_each_does_what_it_says(tiny):
         assert r.status_code == 400 and name in r.json()["error"]["message"], name
     r = post(base | {"tools": [{"type": "web_search_20250305", "name": "web_search"}]})
     assert r.status_code == 400 and "tools.0" in r.json()["error"]["message"]
+
+
+# -- the output path alone -----------------------------------------------------------------
+
+
+def _out(text: str, delta: str = "", finished: bool = True, reason: str = "stop",
+         stop=None) -> RequestOutput:
+    return RequestOutput("r", [1], text, [1] * 7, delta, [1], finished,
+                         reason if finished else None, None, stop)
+
+
+def test_stream_blocks_follow_the_output_thinking_text_then_calls():
+    reply = anthropic_routes._Reply("msg_1", "m", 3, [], "deepseek_r1", True, True)
+    text = ('weighing it</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Oslo"}}\n</tool_call>\n')
+    pieces = [text[k:k + 4] for k in range(0, len(text), 4)]
+
+    async def outputs():
+        for k, piece in enumerate(pieces):
+            yield 0, _out(text, piece, finished=k == len(pieces) - 1)
+
+    async def run():
+        return [e async for e in reply.events(outputs())]
+    events = asyncio.run(run())
+    starts = [d["content_block"]["type"] for kind, d in events if kind == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    deltas: dict[int, str] = {}
+    for kind, d in events:
+        if kind == "content_block_delta":
+            piece = d["delta"].get("thinking") or d["delta"].get("text") or d["delta"].get(
+                "partial_json")
+            deltas[d["index"]] = deltas.get(d["index"], "") + piece
+    assert deltas[0] == "weighing it" and deltas[1] == "Checking.\n"
+    assert json.loads(deltas[2]) == {"city": "Oslo"}
+    assert [k for k, _ in events][-3:] == ["content_block_stop", "message_delta",
+                                           "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert [k for k, _ in events].count("content_block_stop") == 3
+    whole = reply.message(_out(text))
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+    assert whole["content"][2]["input"] == {"city": "Oslo"} and whole["stop_reason"] == "tool_use"
+
+
+def test_a_call_whose_arguments_are_not_an_object_stays_text():
+    reply = anthropic_routes._Reply("msg_1", "m", 3, ["END"], None, True, True)
+    msg = reply.message(_out('<tool_call>{"name": "f", "arguments": "x"}</tool_call>'))
+    assert [b["type"] for b in msg["content"]] == ["text"] and msg["stop_reason"] == "end_turn"
+    cut = reply.message(_out("abc", reason="length"))
+    assert cut["stop_reason"] == "max_tokens"
+    assert reply.message(_out("abc", stop="END"))["stop_sequence"] == "END"

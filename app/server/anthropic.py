@@ -124,10 +124,23 @@ class _Reply:
         calls: list[dict] = []
         if self.tools and text:
             text, calls = parse_tool_calls(text, self.parallel)
+        uses = []
+        for c in calls:
+            name, arguments = c["function"]["name"], c["function"]["arguments"]
+            try:
+                args = json.loads(arguments)
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                uses.append({"type": "tool_use", "id": _tool_id(c["id"]), "name": name,
+                             "input": args})
+            else:  # Anthropic's input is an object: anything else stays the model's text
+                text = "\n".join(filter(None, [text, json.dumps(
+                    {"name": name, "arguments": arguments})]))
         if text:
             content.append({"type": "text", "text": text})
-        content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["function"]["name"],
-                     "input": json.loads(c["function"]["arguments"])} for c in calls]
+        content += uses
+        calls = uses
         return self._envelope(content, self._stop(out, bool(calls)), len(out.token_ids))
 
     async def events(self, outputs: AsyncIterator[tuple[int, RequestOutput]]
