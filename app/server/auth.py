@@ -9,7 +9,8 @@ wrong one is a 401, the client key a 403. Without it, operator routes take the c
 key as before, but the cross-client aborts are refused: only an admin key grants them.
 `/health` and `/metrics` stay open (probes and scrapers carry no key).
 
-Keys are compared in constant time.
+Keys come as `Authorization: Bearer KEY`, or on Anthropic's routes as `x-api-key: KEY`
+(what its clients send). Keys are compared in constant time.
 """
 
 from __future__ import annotations

@@ -289,9 +289,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, max_length=1 << 16)  # vLLM's: per request
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
-    # With --reasoning-parser: vLLM's include_reasoning (false drops the reasoning), SGLang's
-    # separate_reasoning (false leaves it in content) and stream_reasoning (false sends it
-    # in one piece once thinking ends).
+    # With --reasoning-parser (`reasoning.py`): vLLM's include_reasoning, SGLang's
+    # separate_reasoning and stream_reasoning.
     include_reasoning: bool = True
     separate_reasoning: bool = True
     stream_reasoning: bool = True
