@@ -235,6 +235,9 @@ class ServerSettings:
         None, "the operator's key (SGLang's flag): required on /reset_prefix_cache when set, "
         "accepted on every route, and the only key that lets /abort_request abort by a "
         "client-chosen id or abort_all", env="RIDGELINE_ADMIN_API_KEY")
+    reasoning_parser: str | None = setting(
+        None, "split the model's <think>...</think> from its answer: reasoning_content in "
+        "chat, thinking blocks in /v1/messages (vLLM's names)", choices=("qwen3", "deepseek_r1"))
     max_body_bytes: int = setting(4 << 20, "largest request body accepted (413 beyond)",
                                   flags=("--max-request-body-bytes",))
     max_chat_messages: int = setting(2048, "most messages in one chat request (400 beyond)")
@@ -279,6 +282,9 @@ class ServerSettings:
         _positive("max_chat_messages", self.max_chat_messages)
         _positive("max_content_parts", self.max_content_parts)
         _positive("max_tools", self.max_tools)
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(f"reasoning_parser must be qwen3 or deepseek_r1, "
+                             f"got {self.reasoning_parser!r}")
         _positive("responses_store_max_entries", self.responses_store_max_entries, 0)
         _positive("responses_store_max_bytes", self.responses_store_max_bytes, 0)
 

@@ -29,7 +29,7 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
-from app.server import native, openai, responses
+from app.server import anthropic, native, openai, responses
 from app.server.auth import authorize
 from app.server.body_checks import check_body
 from app.server.errors import APIError, api_error
@@ -86,18 +86,22 @@ def _require_json(request: Request) -> None:
                        "unsupported_media_type")
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error(e: APIError, shape: Callable[[APIError], dict] | None = None) -> JSONResponse:
+    return JSONResponse(shape(e) if shape else e.body(), status_code=e.status,
+                        headers=e.headers)
 
 
-def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False
-             ) -> Callable[[Request], Awaitable[Response]]:
+def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False,
+             anthropic_api: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """Every route but /health and /metrics: API key (the admin key for an `operator`
-    route, `auth.py`), readiness, body, error mapping."""
+    route, `auth.py`), readiness, body, error mapping. `anthropic_api`: errors in
+    Anthropic's shape, and the key may come as `x-api-key`."""
+    shape = anthropic.anthropic_error if anthropic_api else None
+
     async def route(request: Request) -> Response:
         st = state(request)
         try:
-            authorize(request, st.settings, operator)
+            authorize(request, st.settings, operator, "x-api-key" if anthropic_api else None)
             st.ready_engine()
             body = None
             if needs_body:
@@ -114,7 +118,7 @@ def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False
                 log.exception("unexpected error", extra={"path": request.url.path})
                 error = APIError(500, f"internal error: {type(e).__name__}", None,
                                  "server_error")
-            return _error(error)
+            return _error(error, shape)
     return route
 
 
@@ -181,6 +185,9 @@ ROUTES = [
     Route("/v1/completions", endpoint(openai.completions), methods=["POST"]),
     Route("/v1/chat/completions", endpoint(openai.chat_completions), methods=["POST"]),
     Route("/v1/chat/completions/render", endpoint(openai.chat_render), methods=["POST"]),
+    Route("/v1/messages", endpoint(anthropic.messages, anthropic_api=True), methods=["POST"]),
+    Route("/v1/messages/count_tokens", endpoint(anthropic.count_tokens, anthropic_api=True),
+          methods=["POST"]),
     Route("/v1/completions/render", endpoint(openai.completions_render), methods=["POST"]),
     Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
     Route("/v1/responses/{response_id}", endpoint(responses.retrieve, needs_body=False),

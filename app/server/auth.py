@@ -9,7 +9,8 @@ wrong one is a 401, the client key a 403. Without it, operator routes take the c
 key as before, but the cross-client aborts are refused: only an admin key grants them.
 `/health` and `/metrics` stay open (probes and scrapers carry no key).
 
-Keys are compared in constant time.
+Keys come as `Authorization: Bearer KEY`, or on Anthropic's routes as `x-api-key: KEY`
+(what its clients send). Keys are compared in constant time.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ def _matches(given: str, key: str | None) -> bool:
     return bool(key) and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
 
 
-def authorize(request: Request, settings: ServerSettings, operator: bool = False) -> None:
-    """Raise the 401/403 this request earns; note on it whether it carries the admin key."""
+def authorize(request: Request, settings: ServerSettings, operator: bool = False,
+              key_header: str | None = None) -> None:
+    """Raise the 401/403 this request earns; note on it whether it carries the admin key.
+    `key_header`: a header that may carry the bare key instead (Anthropic's `x-api-key`)."""
     given = request.headers.get("authorization", "")
+    if not given and key_header and request.headers.get(key_header):
+        given = f"Bearer {request.headers[key_header]}"
     admin = _matches(given, settings.admin_api_key)
     request.state.admin = admin
     if admin:

@@ -30,6 +30,7 @@ from app.server.protocol import (
     now,
     usage,
 )
+from app.server.reasoning import ChoiceReasoning, ReasoningStream, compiled_for_answer
 from app.server.state import check_model, default_max_tokens, engine, state
 from app.server.streaming import collect, queue_all, sse, started, unless_disconnected
 from app.server.structured import compiled, from_openai
@@ -154,7 +155,10 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     if wanted is not None and tool_so is not None:
         raise APIError(400, "a required or named tool_choice constrains the output itself: "
                        "it cannot be combined with a structured output", "tool_choice")
-    so = await compiled(request, wanted or ((tool_so, "tools") if tool_so else None))
+    # With a reasoning parser, grammars and tool calls apply to the answer after </think>.
+    parser = state(request).settings.reasoning_parser if req.separate_reasoning else None
+    so = await compiled_for_answer(request, wanted or ((tool_so, "tools") if tool_so else None),
+                                   parser)
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -182,18 +186,24 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
             n_out = [0] * len(streams)
             parsers = [ToolCallStream(req.parallel_tool_calls) if tool_list else None
                        for _ in streams]
+            reasoners = [ChoiceReasoning(parser, req.include_reasoning, req.stream_reasoning)
+                         if parser else None for _ in streams]
             async for i, out in outputs:
                 n_out[i] = len(out.token_ids)
-                text, calls = out.delta_text, []
+                text, calls, thought = out.delta_text, [], ""
+                if reasoners[i] is not None:
+                    thought, text = reasoners[i].feed(text, out.finished)
                 if parsers[i] is not None:
                     text, calls = parsers[i].feed(text)
                     if out.finished:
                         text += parsers[i].finish()
                 # As for completions, one event per step that made tokens; a tool parser
                 # holds text back on purpose, and then only what it lets out is sent.
-                tokens = parsers[i] is None and bool(out.delta_token_ids)
-                if text or calls or tokens or out.finished or req.logprobs:
+                tokens = parsers[i] is None and not thought and bool(out.delta_token_ids)
+                if text or calls or thought or tokens or out.finished or req.logprobs:
                     delta: dict = {"content": text} if text or tokens else {}
+                    if thought:
+                        delta["reasoning_content"] = thought
                     if calls:
                         delta["tool_calls"] = calls
                     lp = (chat_logprobs(tok, output_entries(out, delta_only=True))
@@ -212,8 +222,13 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
     for i, o in enumerate(finals):
         message: dict = {"role": "assistant", "content": o.text}
         calls: list = []
-        if tool_list:
-            message["content"], calls = parse_tool_calls(o.text, req.parallel_tool_calls)
+        if parser:
+            reasoning, message["content"] = ReasoningStream(parser).split(o.text)
+            if req.include_reasoning:
+                message["reasoning_content"] = reasoning
+        if tool_list and message["content"]:
+            message["content"], calls = parse_tool_calls(message["content"],
+                                                         req.parallel_tool_calls)
             if calls:
                 message["tool_calls"] = calls
         choices.append({"index": i, "message": message,

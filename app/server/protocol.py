@@ -273,6 +273,7 @@ class NamedToolChoice(Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    IGNORED = IGNORED_OPENAI  # the reasoning switches are honoured here (`reasoning.py`)
     ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "echo": (None, False)}
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -289,6 +290,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, max_length=1 << 16)
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # for templates that render them
+    # With --reasoning-parser (`reasoning.py`): vLLM's include_reasoning, SGLang's
+    # separate_reasoning and stream_reasoning.
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     # What the render itself takes: set through the request's own (typed) fields, or not
     # at all (a second value for one argument of the render is a TypeError).
