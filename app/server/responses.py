@@ -32,6 +32,7 @@ from app.server.body_checks import _at_most, off_loop_if_large
 from app.server.errors import APIError, api_error, parse
 from app.server.logprobs import chat_logprobs, output_entries
 from app.server.protocol import now
+from app.server.reasoning import ReasoningStream, compiled_for_answer
 from app.server.response_store import ResponseStore
 from app.server.responses_input import to_messages
 from app.server.responses_output import OutputAssembler, item_id
@@ -44,7 +45,6 @@ from app.server.responses_protocol import (
 )
 from app.server.state import check_model, default_max_tokens, engine, state
 from app.server.streaming import collect, queue_all, started
-from app.server.structured import compiled
 from app.server.tools import ToolCallStream, grammar_for, template_supports_tools
 from app.server.tools import render as render_tools
 
@@ -85,15 +85,18 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
                        "previous_response_id" if earlier else "input")
     request.state.body_entries = getattr(request.state, "body_entries", 0) + len(earlier)
     prompt, tool_grammar, tools, conversation = await _prompt(request, req, conversation)
-    if req.wants_logprobs and tools:
-        raise APIError(400, "message.output_text.logprobs cannot be included while tools are "
-                       "in play (the tokens would mix text and calls)", "include")
+    parser = state(request).settings.reasoning_parser
+    if req.wants_logprobs and (tools or parser):
+        raise APIError(400, "message.output_text.logprobs cannot be included while tools or "
+                       "a reasoning parser are in play (the tokens would mix the answer's "
+                       "text with calls or thinking)", "include")
     wanted = _text_format(req)
     if wanted is not None and tool_grammar is not None:
         raise APIError(400, "a required or named tool_choice constrains the output itself: "
                        "it cannot be combined with text.format", "tool_choice")
-    so = await compiled(request, wanted or ((tool_grammar, "tool_choice") if tool_grammar
-                                            else None))
+    # With a reasoning parser, grammars and tool calls apply to the answer after </think>.
+    so = await compiled_for_answer(request, wanted or (
+        (tool_grammar, "tool_choice") if tool_grammar else None), parser)
     params = _sampling_params(request, req, len(prompt), so)
     rid, created = item_id("resp"), now()
     try:
@@ -130,7 +133,8 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
         }
 
     def assembler() -> OutputAssembler:
-        return OutputAssembler(ToolCallStream(req.parallel_tool_calls) if tools else None)
+        return OutputAssembler(ToolCallStream(req.parallel_tool_calls) if tools else None,
+                               ReasoningStream(parser) if parser else None)
 
     def logprobs(out: RequestOutput, delta_only: bool) -> list | None:
         if not req.wants_logprobs:
@@ -154,7 +158,7 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
     if not req.stream:
         (out,) = await collect(request, streams)
         built = assembler()
-        built.feed_whole(out.text)  # a reasoning parser splits the thinking off first
+        built.feed_whole(out.text)
         if req.wants_logprobs:
             built.output[0]["content"][0]["logprobs"] = logprobs(out, delta_only=False)
         built.close(cut_short=out.finish_reason == "length")

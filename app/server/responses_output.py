@@ -14,8 +14,11 @@ Events follow OpenAI's order and shapes (`openai.types.responses`): for a messag
 `function_call_arguments.delta`..., `function_call_arguments.done`, `output_item.done`.
 Text that is only whitespace (between two calls, after the last) opens no message.
 
-A reasoning parser plugs in before the assembler: its thinking becomes a `reasoning`
-item (`reasoning_item`) ahead of the answer's items, and the answer alone is fed here.
+With `--reasoning-parser` the text first goes through `reasoning.ReasoningStream`: the
+thinking becomes a `reasoning` item ahead of the answer's items (`reasoning_text`
+content), streamed as `output_item.added`, `content_part.added`,
+`reasoning_text.delta`..., `reasoning_text.done`, `content_part.done`,
+`output_item.done`; the tool parser reads the answer only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import re
 import uuid
 from typing import Any
 
+from app.server.reasoning import ReasoningStream
 from app.server.tools import END, START, ToolCallStream
 
 _CALL_EDGES = re.compile(f"(?={re.escape(START)})|(?<={re.escape(END)})")
@@ -38,46 +42,90 @@ def text_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
-    """A `reasoning` item holding a reasoning parser's thinking (`--reasoning-parser`)."""
-    return {"id": item_id("rs"), "type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": status}
-
-
 class OutputAssembler:
-    def __init__(self, tool_parser: ToolCallStream | None):
-        self.parser = tool_parser
+    def __init__(self, tool_parser: ToolCallStream | None,
+                 reasoner: ReasoningStream | None = None):
+        self.parser, self.reasoner = tool_parser, reasoner
         self.output: list[dict[str, Any]] = []  # the items, in order; final once closed
+        self._reasoning: dict[str, Any] | None = None  # the reasoning item open now
         self._message: dict[str, Any] | None = None  # the message item open now
         self._call: dict[str, Any] | None = None  # the function_call item open now
-        self._calls_seen = 0  # the parser's calls already given an item
         self._blank = ""  # whitespace held back until text follows it
 
     def feed(self, text: str, logprobs: list | None = None) -> list[dict[str, Any]]:
-        """A step's text (and its tokens' logprobs, when asked for and no tools are in
-        play) → the events it makes."""
-        if self.parser is None:
-            return self._text(text, logprobs)
-        content, deltas = self.parser.feed(text)
-        return self._parsed(content, deltas)
+        """A step's text (and its tokens' logprobs, when asked for and neither tools
+        nor a reasoning parser are in play) → the events it makes."""
+        if self.reasoner is None:
+            return self._answer(text, logprobs)
+        thought, answer = self.reasoner.feed(text)
+        return self._thought(thought) + self._answer(answer, None)
 
     def close(self, cut_short: bool) -> list[dict[str, Any]]:
         """The end of the generation: held-back text out, every open item closed;
         `cut_short` (the token limit) marks the last item `incomplete`."""
-        events = self._parsed(self.parser.finish(), []) if self.parser is not None else []
+        events = []
+        if self.reasoner is not None:
+            thought, answer = self.reasoner.finish()
+            events += self._thought(thought) + self._answer(answer, None)
+        if self.parser is not None:
+            events += self._parsed(self.parser.finish(), [])
         status = "incomplete" if cut_short else "completed"
         if not self.output:  # an empty answer is still a message, as OpenAI's is
             blank, self._blank = self._blank, ""
             events += self._open_message() + (self._text(blank, None) if blank else [])
+        events += self._close_reasoning(status)
         events += self._close_message(status) + self._close_call(status)
         return events
 
     def feed_whole(self, text: str) -> None:
-        """A whole answer, fed as a stream would feed it: in pieces that each hold text
-        or one call, so that the items keep the order of the text."""
+        """A whole output, fed as a stream would feed it: the thinking, then the answer in
+        pieces that each hold text or one call, so that the items keep the text's order."""
+        if self.reasoner is not None:
+            thought, text = self.reasoner.feed(text)
+            self._thought(thought)
         for piece in _CALL_EDGES.split(text) if self.parser is not None else [text]:
             if piece:
-                self.feed(piece)
+                self._answer(piece, None)
+
+    def _answer(self, text: str, logprobs: list | None) -> list[dict[str, Any]]:
+        if not text and not logprobs:
+            return []
+        events = self._close_reasoning("completed")  # the answer has begun
+        if self.parser is None:
+            return events + self._text(text, logprobs)
+        return events + self._parsed(*self.parser.feed(text))
+
+    # -- reasoning -----------------------------------------------------------------------
+
+    def _thought(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = []
+        if self._reasoning is None:
+            self._reasoning = {"id": item_id("rs"), "type": "reasoning", "summary": [],
+                               "content": [], "status": "in_progress"}
+            self.output.append(self._reasoning)
+            events.append(self._added(self._reasoning))
+            part = {"type": "reasoning_text", "text": ""}
+            self._reasoning["content"].append(part)
+            events.append(self._event("response.content_part.added", self._reasoning,
+                                      content_index=0, part=dict(part)))
+        self._reasoning["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", self._reasoning,
+                                  content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        item["status"] = status
+        part = item["content"][0]
+        return [self._event("response.reasoning_text.done", item, content_index=0,
+                            text=part["text"]),
+                self._event("response.content_part.done", item, content_index=0,
+                            part=dict(part)),
+                self._done(item)]
 
     def _parsed(self, content: str, deltas: list[dict]) -> list[dict[str, Any]]:
         """One step's parse: what continues the open call, then the step's text, then
@@ -93,7 +141,6 @@ class OutputAssembler:
             if "id" in delta:  # a new call: its name and id, then its arguments in pieces
                 events += self._close_message("completed") + self._close_call("completed")
                 events += self._open_call(delta["id"], delta["function"]["name"])
-                self._calls_seen += 1
             # A new call's own delta shares its arguments with the parser, which has
             # appended this feed's pieces to them already: the pieces come as deltas.
             piece = "" if "id" in delta else delta["function"].get("arguments", "")
@@ -186,7 +233,8 @@ def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
     """The item as it is now: later deltas must not change an event already made."""
     out = dict(item)
     if "content" in out:
-        out["content"] = [dict(p, logprobs=list(p["logprobs"])) for p in out["content"]]
+        out["content"] = [dict(p, logprobs=list(p["logprobs"])) if "logprobs" in p
+                          else dict(p) for p in out["content"]]
     return out
 
 
