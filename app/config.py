@@ -162,6 +162,19 @@ class EngineConfig:
         "exact run's")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
+    # Structured outputs: every grammar compile is bounded (app/engine/grammar_pool.py).
+    grammar_compile_timeout: float = setting(
+        10.0, "seconds a grammar (JSON schema, regex, choice, EBNF, tool schemas) may take "
+        "to compile; past it the worker is killed and the request gets a 400")
+    grammar_compile_memory: int | str = setting(
+        512 << 20, "memory a grammar compile may add to its worker process, e.g. 512MiB "
+        "(past it: a 400)")
+    grammar_workers: int = setting(2, "grammar-compiling processes; specs over 1 KiB may "
+                                   "occupy all but one, so short ones are never held up")
+    grammar_cache_bytes: int | str = setting(64 << 20, "bytes of compiled grammars kept "
+                                             "for reuse (least recently used out first)")
+    grammar_max_spec_bytes: int | str = setting(128 << 10, "largest grammar spec accepted "
+                                                "(a schema, regex, EBNF...; 400 beyond)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -169,6 +182,14 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _positive("torch_threads", self.torch_threads)
+        for name in ("grammar_compile_memory", "grammar_cache_bytes", "grammar_max_spec_bytes"):
+            if isinstance(getattr(self, name), str):  # '512MiB' from a flag or a caller
+                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+            _positive(name, getattr(self, name))
+        _positive("grammar_workers", self.grammar_workers)
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, "
+                             f"got {self.grammar_compile_timeout}")
         if self.int8_activations and not self.cpu_quantized_matmul:
             raise ValueError("int8_activations reads a GGUF's blocks: it needs "
                              "cpu_quantized_matmul")

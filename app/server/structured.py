@@ -10,6 +10,7 @@ OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schem
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -86,10 +87,11 @@ def _one(found: list[tuple[StructuredOutput, str]]) -> tuple[StructuredOutput, s
 
 async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
                    ) -> StructuredOutput | None:
-    """Compile the grammar (off the loop, cached) before anything is queued; a spec that
-    does not compile is a 400 naming its field."""
+    """Compile the grammar (off the loop, bounded, cached) before anything is queued; a
+    spec past a bound or that does not compile is a 400 naming its field. The compiled
+    grammar travels with the spec to the engine."""
     if wanted is None:
         return None
     so, param = wanted
-    await engine(request).core.grammars.compile(so, param)
-    return so
+    return dataclasses.replace(so, compiled=await engine(request).core.grammars.compile(
+        so, param))

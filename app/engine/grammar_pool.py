@@ -1,0 +1,230 @@
+"""A few grammar worker processes, each driven by one thread of the server.
+
+Why processes: see `app/engine/grammar_worker.py`. Each `CompileJob` (one spec, shared
+by every request waiting on it) is queued here and taken by the first free worker
+thread, which sends it to its process and waits, with the time bound, for the answer.
+Past the bound, or when `cancel` is called because every request waiting on the job
+has left, or at `shutdown`, the process is killed (SIGKILL) and a fresh one started at
+once, so the next job does not pay for the start.
+
+A costly spec must not hold up a cheap one: jobs whose spec is larger than
+`SMALL_SPEC_BYTES` may occupy all workers but one, so with two workers or more a short
+regex always finds a worker within one small compile's time.
+
+The threads block on pipes and never hold the GIL while the process works; results are
+deserialized on them (milliseconds for a typical schema), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from app.engine.grammar_worker import write_frame
+
+SMALL_SPEC_BYTES = 1024
+START_TIMEOUT_S = 120.0  # importing xgrammar (and the torch it loads) on a busy host
+
+
+class InvalidSpec(ValueError):
+    """The spec does not compile (the compiler's message, for a 400)."""
+
+
+class TooCostly(Exception):
+    """The compile ran past a bound (time, memory, result size); `reason` says which."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CompileJob:
+    def __init__(self, kind: str, spec: str):
+        self.kind, self.spec = kind, spec
+        self.large = len(spec) > SMALL_SPEC_BYTES
+        self.future: Future = Future()
+        self.waiters = 0
+        self.worker: _Worker | None = None
+        self.cancelled = False
+
+
+class CompilePool:
+    def __init__(self, tokenizer_info, workers: int, timeout_s: float, memory_bytes: int,
+                 threads: int = 1):
+        self.info = tokenizer_info
+        self._hello = ({"threads": threads, "memory_bytes": memory_bytes},
+                       tokenizer_info.serialize_json().encode())
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._queue: deque[CompileJob] = deque()
+        self._large_running = 0
+        self._large_limit = max(1, workers - 1)
+        self._closed = False
+        self.workers = [_Worker(self, i) for i in range(workers)]
+
+    def submit(self, job: CompileJob) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the grammar workers are shut down")
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: CompileJob) -> None:
+        """Nobody waits for `job` any more: drop it from the queue or kill its process."""
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                job.future.cancel()
+                return
+            job.cancelled = True
+            worker = job.worker
+        if worker is not None and not job.future.done():
+            worker.kill(job)
+
+    def pids(self) -> list[int]:
+        """The live worker processes (for tests and metrics)."""
+        return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.poll() is None]
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            for job in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+        for w in self.workers:
+            w.kill(None)
+
+    def _take(self) -> CompileJob | None:
+        """The first queued job this worker may run (called holding the condition)."""
+        for job in self._queue:
+            if not job.large or self._large_running < self._large_limit:
+                self._queue.remove(job)
+                self._large_running += job.large
+                return job
+        return None
+
+
+class _Worker:
+    def __init__(self, pool: CompilePool, index: int):
+        self.pool = pool
+        self.proc: subprocess.Popen | None = None
+        self.job: CompileJob | None = None
+        self._buf = bytearray()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                         name=f"ridgeline-grammar-{index}")
+        self._thread.start()
+
+    def kill(self, job: CompileJob | None) -> None:
+        """Kill the process if it is running `job` (any job when None)."""
+        proc = self.proc
+        if proc is not None and (job is None or self.job is job):
+            proc.kill()
+
+    def _run(self) -> None:
+        pool = self.pool
+        try:
+            self._start()  # every worker at once, in the background, with the first job
+        except (OSError, RuntimeError):
+            pass  # the first job tries again, and reports it
+        while True:
+            with pool._cond:
+                while not pool._closed and (job := pool._take()) is None:
+                    pool._cond.wait()
+                if pool._closed:
+                    break
+                self.job, job.worker = job, self
+            try:
+                job.future.set_result(self._compile(job))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting requests
+                if not job.future.done():
+                    job.future.set_exception(e)
+            finally:
+                with pool._cond:
+                    self.job = None
+                    pool._large_running -= job.large
+                    pool._cond.notify_all()
+            if (self.proc is None or self.proc.poll() is not None) and not pool._closed:
+                try:
+                    self._start()  # replaced now, so that the next job does not wait for it
+                except (OSError, RuntimeError):
+                    pass  # the next job tries again, and reports it
+        self._stop()
+
+    def _compile(self, job: CompileJob):
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        if job.cancelled:
+            raise TooCostly("cancelled")
+        write_frame(self.proc.stdin, {"kind": job.kind}, job.spec.encode())
+        deadline = time.monotonic() + self.pool.timeout_s
+        frame = self._read(deadline)
+        if frame is None:
+            timed_out = time.monotonic() >= deadline
+            self._stop()
+            if job.cancelled or self.pool._closed:
+                raise TooCostly("cancelled")
+            raise TooCostly(f"it took more than {self.pool.timeout_s:g} s" if timed_out
+                            else "it needed more memory than the compile bound")
+        header, payload = frame
+        if header.get("costly"):
+            raise TooCostly(header["error"])
+        if "error" in header:
+            raise InvalidSpec(header["error"])
+        import xgrammar as xgr
+
+        return xgr.CompiledGrammar.deserialize_json(payload.decode(), self.pool.info)
+
+    def _start(self) -> None:
+        self._stop()
+        env = {**os.environ, "MALLOC_ARENA_MAX": "2", "CUDA_VISIBLE_DEVICES": ""}
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.engine.grammar_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._buf = bytearray()
+        write_frame(self.proc.stdin, *self.pool._hello)
+        frame = self._read(time.monotonic() + START_TIMEOUT_S)
+        if frame is None or not frame[0].get("ready"):
+            self._stop()
+            raise RuntimeError("a grammar worker process did not start")
+
+    def _stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+    def _read(self, deadline: float) -> tuple[dict, bytes] | None:
+        """One frame, or None when the process ended or the deadline passed first."""
+        line = self._read_until(lambda: self._buf.find(b"\n"), deadline)
+        if line is None:
+            return None
+        header = json.loads(line)
+        payload = self._read_until(lambda: header["n"] if len(self._buf) >= header["n"]
+                                   else -1, deadline, keep_sep=False)
+        return (header, payload) if payload is not None else None
+
+    def _read_until(self, find, deadline: float, keep_sep: bool = True) -> bytes | None:
+        fd = self.proc.stdout.fileno()
+        while (i := find()) < 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+        out = bytes(self._buf[:i])
+        del self._buf[:i + (1 if keep_sep else 0)]
+        return out
