@@ -169,8 +169,9 @@ class EngineConfig:
     grammar_compile_memory: int | str = setting(
         512 << 20, "memory a grammar compile may add to its worker process, e.g. 512MiB "
         "(past it: a 400)")
-    grammar_workers: int = setting(2, "grammar-compiling processes; specs over 1 KiB may "
-                                   "occupy all but one, so short ones are never held up")
+    grammar_workers: int = setting(2, "grammar-compiling processes; with two or more, the "
+                                   "first compiles only specs up to 1 KiB, so a short one "
+                                   "never waits behind a large one")
     grammar_cache_bytes: int | str = setting(64 << 20, "bytes of compiled grammars kept "
                                              "for reuse (least recently used out first)")
     grammar_max_spec_bytes: int | str = setting(128 << 10, "largest grammar spec accepted "

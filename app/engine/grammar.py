@@ -27,12 +27,19 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.errors import InvalidParameter
+from app.engine.errors import EngineDead, InvalidParameter
 from app.engine.grammar_bounds import check_depth, check_spec, parse_json
-from app.engine.grammar_pool import CompileJob, CompilePool, InvalidSpec, TooCostly
+from app.engine.grammar_pool import (
+    CompileCancelled,
+    CompileJob,
+    CompilePool,
+    InvalidSpec,
+    TooCostly,
+)
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _CPP_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+?:\d+: (?:Check failed: .*? is false: )?")
@@ -187,7 +194,9 @@ class GrammarService:
                 del self._jobs[so]
         self.pool.cancel(job)
 
-    def _error(self, e: BaseException, so: StructuredOutput, param: str) -> InvalidParameter:
+    def _error(self, e: BaseException, so: StructuredOutput, param: str) -> Exception:
+        if isinstance(e, CompileCancelled):
+            return EngineDead("the server is shutting down")
         if isinstance(e, TooCostly):
             return InvalidParameter(param, f"the {so.kind} grammar is too costly to compile "
                                     f"({e.reason}); simplify it")
@@ -214,7 +223,7 @@ class GrammarService:
         job.future.add_done_callback(relay)
         try:
             return await waiter
-        except (InvalidSpec, TooCostly) as e:
+        except (InvalidSpec, TooCostly, CompileCancelled) as e:
             raise self._error(e, so, param) from e
         finally:
             self._leave(so, job)
@@ -231,7 +240,9 @@ class GrammarService:
         job = self._join(so)
         try:
             return job.future.result()
-        except (InvalidSpec, TooCostly) as e:
+        except CancelledError as e:
+            raise self._error(CompileCancelled(), so, param) from e
+        except (InvalidSpec, TooCostly, CompileCancelled) as e:
             raise self._error(e, so, param) from e
         finally:
             self._leave(so, job)
@@ -258,7 +269,7 @@ def _settle(waiter: asyncio.Future, done) -> None:
     if waiter.done():
         return
     if done.cancelled():
-        waiter.set_exception(TooCostly("cancelled"))
+        waiter.set_exception(CompileCancelled())
     elif done.exception() is not None:
         waiter.set_exception(done.exception())
     else:

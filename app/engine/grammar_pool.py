@@ -7,9 +7,9 @@ Past the bound, or when `cancel` is called because every request waiting on the 
 has left, or at `shutdown`, the process is killed (SIGKILL) and a fresh one started at
 once, so the next job does not pay for the start.
 
-A costly spec must not hold up a cheap one: jobs whose spec is larger than
-`SMALL_SPEC_BYTES` may occupy all workers but one, so with two workers or more a short
-regex always finds a worker within one small compile's time.
+A costly spec must not hold up a cheap one: with two workers or more, the first takes
+only specs of at most `SMALL_SPEC_BYTES` (a fast lane), so a short regex waits at most
+for other short specs, never for a large one, nor for a killed worker's replacement.
 
 The threads block on pipes and never hold the GIL while the process works; results are
 deserialized on them (milliseconds for a typical schema), never on the event loop.
@@ -27,8 +27,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from app.engine.grammar_worker import write_frame
-
 SMALL_SPEC_BYTES = 1024
 START_TIMEOUT_S = 120.0  # importing xgrammar (and the torch it loads) on a busy host
 
@@ -43,6 +41,10 @@ class TooCostly(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class CompileCancelled(Exception):
+    """Nobody waits for the compile any more, or the server is stopping."""
 
 
 class CompileJob:
@@ -64,8 +66,6 @@ class CompilePool:
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._queue: deque[CompileJob] = deque()
-        self._large_running = 0
-        self._large_limit = max(1, workers - 1)
         self._closed = False
         self.workers = [_Worker(self, i) for i in range(workers)]
 
@@ -89,8 +89,9 @@ class CompilePool:
             worker.kill(job)
 
     def pids(self) -> list[int]:
-        """The live worker processes (for tests and metrics)."""
-        return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        """The worker processes started and ready (for tests and metrics)."""
+        return [w.proc.pid for w in self.workers
+                if w.ready and w.proc is not None and w.proc.poll() is None]
 
     def shutdown(self) -> None:
         with self._cond:
@@ -102,12 +103,12 @@ class CompilePool:
         for w in self.workers:
             w.kill(None)
 
-    def _take(self) -> CompileJob | None:
-        """The first queued job this worker may run (called holding the condition)."""
+    def _take(self, worker: _Worker) -> CompileJob | None:
+        """The first queued job `worker` may run (called holding the condition)."""
+        fast_lane = worker is self.workers[0] and len(self.workers) > 1
         for job in self._queue:
-            if not job.large or self._large_running < self._large_limit:
+            if not (fast_lane and job.large):
                 self._queue.remove(job)
-                self._large_running += job.large
                 return job
         return None
 
@@ -117,6 +118,7 @@ class _Worker:
         self.pool = pool
         self.proc: subprocess.Popen | None = None
         self.job: CompileJob | None = None
+        self.ready = False
         self._buf = bytearray()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                          name=f"ridgeline-grammar-{index}")
@@ -136,7 +138,7 @@ class _Worker:
             pass  # the first job tries again, and reports it
         while True:
             with pool._cond:
-                while not pool._closed and (job := pool._take()) is None:
+                while not pool._closed and (job := pool._take(self)) is None:
                     pool._cond.wait()
                 if pool._closed:
                     break
@@ -149,8 +151,6 @@ class _Worker:
             finally:
                 with pool._cond:
                     self.job = None
-                    pool._large_running -= job.large
-                    pool._cond.notify_all()
             if (self.proc is None or self.proc.poll() is not None) and not pool._closed:
                 try:
                     self._start()  # replaced now, so that the next job does not wait for it
@@ -162,7 +162,9 @@ class _Worker:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         if job.cancelled:
-            raise TooCostly("cancelled")
+            raise CompileCancelled()
+        from app.engine.grammar_worker import write_frame  # not at the top: `-m` runs it
+
         write_frame(self.proc.stdin, {"kind": job.kind}, job.spec.encode())
         deadline = time.monotonic() + self.pool.timeout_s
         frame = self._read(deadline)
@@ -170,11 +172,12 @@ class _Worker:
             timed_out = time.monotonic() >= deadline
             self._stop()
             if job.cancelled or self.pool._closed:
-                raise TooCostly("cancelled")
+                raise CompileCancelled()
             raise TooCostly(f"it took more than {self.pool.timeout_s:g} s" if timed_out
                             else "it needed more memory than the compile bound")
         header, payload = frame
-        if header.get("costly"):
+        if header.get("costly"):  # past its memory: the worker ends, and is replaced
+            self._stop()
             raise TooCostly(header["error"])
         if "error" in header:
             raise InvalidSpec(header["error"])
@@ -183,6 +186,8 @@ class _Worker:
         return xgr.CompiledGrammar.deserialize_json(payload.decode(), self.pool.info)
 
     def _start(self) -> None:
+        from app.engine.grammar_worker import write_frame
+
         self._stop()
         env = {**os.environ, "MALLOC_ARENA_MAX": "2", "CUDA_VISIBLE_DEVICES": ""}
         self.proc = subprocess.Popen([sys.executable, "-m", "app.engine.grammar_worker"],
@@ -193,9 +198,10 @@ class _Worker:
         if frame is None or not frame[0].get("ready"):
             self._stop()
             raise RuntimeError("a grammar worker process did not start")
+        self.ready = True
 
     def _stop(self) -> None:
-        proc, self.proc = self.proc, None
+        proc, self.proc, self.ready = self.proc, None, False
         if proc is not None:
             proc.kill()
             proc.wait()
