@@ -10,8 +10,10 @@ memory bound, and shutdown killing a compile at once (what SIGTERM relies on).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import threading
 import time
 
@@ -238,3 +240,42 @@ def test_shutdown_kills_a_running_compile_at_once(tokenizer):
     assert not th.is_alive() and time.monotonic() - t < 3
     assert errors and "shutting down" in str(errors[0])
     assert not any(alive(p) for p in pids)
+
+
+def children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(c) for c in f.read().split()}
+    return out
+
+
+def test_sigterm_exits_promptly_while_a_costly_compile_runs(tiny_dir):
+    from tests.test_e2e_process import start
+
+    proc, url = start("--model", str(tiny_dir), "--dtype", "float32", "--shutdown-timeout",
+                      "1", "--grammar-compile-timeout", "300", "--grammar-max-spec-bytes",
+                      "2MiB")
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": "a", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}})
+        assert r.status_code == 200, r.text
+        workers = children(proc.pid)
+        assert workers
+
+        def costly() -> None:  # ends with the server: an error or a 503, whichever
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(url + "/v1/completions", timeout=60, json={
+                    "prompt": "a", "max_tokens": 2, **rf(costly_schema("sigterm", 20000))})
+
+        th = threading.Thread(target=costly, daemon=True)
+        th.start()
+        time.sleep(1.5)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)  # the compile alone would run for minutes
+        assert time.monotonic() - t < 15
+        assert not any(alive(p) for p in workers)
+    finally:
+        proc.kill()
+        proc.wait()
