@@ -183,17 +183,19 @@ def test_a_compile_whose_client_left_is_killed(server):
 
 def test_the_cache_is_an_lru_bounded_by_bytes(server):
     svc = grammars(server)
-    first = StructuredOutput.json_schema({"type": "object", "title": "first", "properties": {
-        "a": {"type": "integer"}}})
-    svc.compile_now(first)
+
+    def schema(title: str) -> StructuredOutput:
+        return StructuredOutput.json_schema({"type": "object", "title": title,
+                                             "properties": {"a": {"type": "string"}}})
+
+    svc.compile_now(schema("reused"))
     for i in range(60):
-        svc.compile_now(StructuredOutput.json_schema({"type": "object", "title": f"s{i}",
-                                                      "properties": {"a": {"type": "string"}}}))
-        assert svc.cached(first) is not None or i > 3  # used again: kept the longest
-    assert 0 < svc.cache_bytes <= 1 << 20
+        svc.compile_now(schema(f"s{i}"))
+        assert svc.cached(schema("reused")) is not None  # used again: kept
+        assert 0 < svc.cache_bytes <= 1 << 20  # --grammar-cache-bytes of this server
+    assert svc.cached(schema("s0")) is None  # the least recently used went first
+    assert svc.cached(schema("s59")) is not None
     assert len(svc._cache) < 61
-    assert svc.cached(StructuredOutput.json_schema({"type": "object", "title": "s59",
-                                                    "properties": {"a": {"type": "string"}}}))
 
 
 @pytest.fixture(scope="module")

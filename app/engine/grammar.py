@@ -172,17 +172,15 @@ class GrammarService:
             job = self._jobs.get(so)
             if job is None:
                 job = self._jobs[so] = CompileJob(so.kind, so.spec)
-                job.future.add_done_callback(lambda f, so=so, job=job: self._done(so, job, f))
+                job.future.add_done_callback(lambda _, so=so, job=job: self._done(so, job))
                 pool.submit(job)
             job.waiters += 1
             return job
 
-    def _done(self, so: StructuredOutput, job: CompileJob, future) -> None:
+    def _done(self, so: StructuredOutput, job: CompileJob) -> None:
         with self._lock:
             if self._jobs.get(so) is job:
                 del self._jobs[so]
-        if not future.cancelled() and future.exception() is None:
-            self._keep(so, future.result())
 
     def _leave(self, so: StructuredOutput, job: CompileJob) -> None:
         """A waiter left; the last one to leave stops the compile."""
@@ -203,11 +201,12 @@ class GrammarService:
         return InvalidParameter(param, f"invalid {so.kind}: "
                                 f"{_CPP_PREFIX.sub('', str(e).strip())}")
 
-    async def compile(self, so: StructuredOutput, param: str):
+    async def compile(self, so: StructuredOutput, param: str, checked: bool = False):
         """The compiled grammar, off the loop; a 400 naming `param` for a spec past a
-        bound or that does not compile. A request that leaves stops its compile when it
-        was the last one waiting for it."""
-        self.check(so, param)
+        bound or that does not compile (`checked`: the caller ran `check`). A request
+        that leaves stops its compile when it was the last one waiting for it."""
+        if not checked:
+            self.check(so, param)
         compiled = self.cached(so)
         if compiled is not None:
             return compiled
@@ -222,7 +221,9 @@ class GrammarService:
 
         job.future.add_done_callback(relay)
         try:
-            return await waiter
+            compiled = await waiter
+            self._keep(so, compiled)  # here, not in a callback: cached once it is returned
+            return compiled
         except (InvalidSpec, TooCostly, CompileCancelled) as e:
             raise self._error(e, so, param) from e
         finally:
@@ -239,7 +240,9 @@ class GrammarService:
             return compiled
         job = self._join(so)
         try:
-            return job.future.result()
+            compiled = job.future.result()
+            self._keep(so, compiled)
+            return compiled
         except CancelledError as e:
             raise self._error(CompileCancelled(), so, param) from e
         except (InvalidSpec, TooCostly, CompileCancelled) as e:

@@ -101,7 +101,7 @@ async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
     grammars.check(so, param)
     done = grammars.cached(so)
     if done is None:
-        task = asyncio.ensure_future(grammars.compile(so, param))
+        task = asyncio.ensure_future(grammars.compile(so, param, checked=True))
         watcher = asyncio.create_task(until_disconnect(request))
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
