@@ -165,6 +165,27 @@ def test_a_short_regex_is_not_held_up_by_costly_compiles(server):
         th.join(30)
 
 
+def test_a_compile_queued_past_the_bound_is_a_503(server):
+    wait_quiet(server)
+    results: dict[str, tuple[int, dict, float]] = {}
+
+    def send(tag: str) -> None:
+        t = time.monotonic()
+        r = chat(server, timeout=120, **rf(costly_schema(tag)))
+        results[tag] = (r.status_code, dict(r.headers), time.monotonic() - t)
+
+    threads = [threading.Thread(target=send, args=(tag,)) for tag in ("first", "queued")]
+    for th in threads:
+        th.start()
+        time.sleep(0.3)
+    for th in threads:
+        th.join(120)
+    assert results["first"][0] == 400  # at its time bound
+    status, headers, elapsed = results["queued"]
+    assert status == 503 and "retry-after" in headers, results
+    assert elapsed < 2 * BOUND_S + 20, elapsed  # never behind a whole queue
+
+
 def test_a_compile_whose_client_left_is_killed(server):
     pool = grammars(server).pool
     wait_quiet(server)
@@ -208,7 +229,8 @@ def service(tokenizer, **limits) -> GrammarService:
 
 
 def test_a_compile_past_its_memory_bound_is_refused(tokenizer):
-    svc = service(tokenizer, compile_memory=48 << 20, workers=1, max_spec_bytes=1 << 20)
+    svc = service(tokenizer, compile_memory=48 << 20, workers=1, max_spec_bytes=1 << 20,
+                  compile_timeout=120)
     try:
         svc.compile_now(StructuredOutput("regex", "[a-z]+"))  # small: fits
         pid = svc.pool.pids()[0]
@@ -235,7 +257,10 @@ def test_shutdown_kills_a_running_compile_at_once(tokenizer):
 
     th = threading.Thread(target=run)
     th.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not any(w.job for w in svc.pool.workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # compiling
     t = time.monotonic()
     svc.shutdown()
     th.join(10)

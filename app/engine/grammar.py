@@ -31,9 +31,10 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.errors import EngineDead, InvalidParameter
+from app.engine.errors import EngineDead, InvalidParameter, QueueFull
 from app.engine.grammar_bounds import check_depth, check_spec, parse_json
 from app.engine.grammar_pool import (
+    Busy,
     CompileCancelled,
     CompileJob,
     CompilePool,
@@ -129,7 +130,7 @@ class GrammarService:
         """The worker processes, started by the first compile (xgrammar is loaded then)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("the grammar service is shut down")
+                raise EngineDead("the server is shutting down")
             if self._pool is None:
                 lim = self.limits
                 self._pool = CompilePool(self._tokenizer_info(), lim.workers,
@@ -195,6 +196,8 @@ class GrammarService:
     def _error(self, e: BaseException, so: StructuredOutput, param: str) -> Exception:
         if isinstance(e, CompileCancelled):
             return EngineDead("the server is shutting down")
+        if isinstance(e, Busy):
+            return QueueFull(f"{param}: {e}; retry later", retry_after=self.limits.compile_timeout)
         if isinstance(e, TooCostly):
             return InvalidParameter(param, f"the {so.kind} grammar is too costly to compile "
                                     f"({e.reason}); simplify it")
@@ -224,7 +227,7 @@ class GrammarService:
             compiled = await waiter
             self._keep(so, compiled)  # here, not in a callback: cached once it is returned
             return compiled
-        except (InvalidSpec, TooCostly, CompileCancelled) as e:
+        except (InvalidSpec, TooCostly, CompileCancelled, Busy) as e:
             raise self._error(e, so, param) from e
         finally:
             self._leave(so, job)
@@ -245,7 +248,7 @@ class GrammarService:
             return compiled
         except CancelledError as e:
             raise self._error(CompileCancelled(), so, param) from e
-        except (InvalidSpec, TooCostly, CompileCancelled) as e:
+        except (InvalidSpec, TooCostly, CompileCancelled, Busy) as e:
             raise self._error(e, so, param) from e
         finally:
             self._leave(so, job)

@@ -10,6 +10,9 @@ once, so the next job does not pay for the start.
 A costly spec must not hold up a cheap one: with two workers or more, the first takes
 only specs of at most `SMALL_SPEC_BYTES` (a fast lane), so a short regex waits at most
 for other short specs, never for a large one, nor for a killed worker's replacement.
+And a job waits in the queue at most the time bound: past it, it is refused as `Busy`
+(a 503 with Retry-After), so a queue of costly specs delays a request by at most about
+twice the bound, however long it is.
 
 The threads block on pipes and never hold the GIL while the process works; results are
 deserialized on them (milliseconds for a typical schema), never on the event loop.
@@ -43,6 +46,10 @@ class TooCostly(Exception):
         self.reason = reason
 
 
+class Busy(Exception):
+    """The job waited in the queue longer than the time bound: every worker is busy."""
+
+
 class CompileCancelled(Exception):
     """Nobody waits for the compile any more, or the server is stopping."""
 
@@ -51,6 +58,7 @@ class CompileJob:
     def __init__(self, kind: str, spec: str):
         self.kind, self.spec = kind, spec
         self.large = len(spec) > SMALL_SPEC_BYTES
+        self.queued_at = time.monotonic()
         self.future: Future = Future()
         self.waiters = 0
         self.worker: _Worker | None = None
@@ -106,6 +114,11 @@ class CompilePool:
     def _take(self, worker: _Worker) -> CompileJob | None:
         """The first queued job `worker` may run (called holding the condition)."""
         fast_lane = worker is self.workers[0] and len(self.workers) > 1
+        now = time.monotonic()
+        for job in [j for j in self._queue if now - j.queued_at > self.timeout_s]:
+            self._queue.remove(job)
+            job.future.set_exception(Busy(f"every grammar worker was busy for "
+                                          f"{self.timeout_s:g} s"))
         for job in self._queue:
             if not (fast_lane and job.large):
                 self._queue.remove(job)
@@ -165,7 +178,13 @@ class _Worker:
             raise CompileCancelled()
         from app.engine.grammar_worker import write_frame  # not at the top: `-m` runs it
 
-        write_frame(self.proc.stdin, {"kind": job.kind}, job.spec.encode())
+        try:
+            write_frame(self.proc.stdin, {"kind": job.kind}, job.spec.encode())
+        except OSError:  # the process ended since it was checked: once more, on a new one
+            self._start()
+            if job.cancelled:
+                raise CompileCancelled() from None
+            write_frame(self.proc.stdin, {"kind": job.kind}, job.spec.encode())
         deadline = time.monotonic() + self.pool.timeout_s
         frame = self._read(deadline)
         if frame is None:
