@@ -10,9 +10,10 @@ once, so the next job does not pay for the start.
 A costly spec must not hold up a cheap one: with two workers or more, the first takes
 only specs of at most `SMALL_SPEC_BYTES` (a fast lane), so a short regex waits at most
 for other short specs, never for a large one, nor for a killed worker's replacement.
-And a job waits in the queue at most the time bound: past it, it is refused as `Busy`
-(a 503 with Retry-After), so a queue of costly specs delays a request by at most about
-twice the bound, however long it is.
+And a job waits in the queue at most the time bound (counted from when every worker has
+started: starting one takes seconds): past it, a reaper thread refuses it as `Busy` (a
+503 with Retry-After), so a queue of costly specs delays a request by at most about
+twice the bound, however long the queue.
 
 The threads block on pipes and never hold the GIL while the process works; results are
 deserialized on them (milliseconds for a typical schema), never on the event loop.
@@ -75,7 +76,12 @@ class CompilePool:
         self._cond = threading.Condition()
         self._queue: deque[CompileJob] = deque()
         self._closed = False
+        self.ready_at: float | None = None  # when every worker had started once
+        self._started: set[int] = set()
         self.workers = [_Worker(self, i) for i in range(workers)]
+        for w in self.workers:
+            w.thread.start()
+        threading.Thread(target=self._reap, daemon=True, name="ridgeline-grammar-reaper").start()
 
     def submit(self, job: CompileJob) -> None:
         with self._cond:
@@ -86,13 +92,15 @@ class CompilePool:
 
     def cancel(self, job: CompileJob) -> None:
         """Nobody waits for `job` any more: drop it from the queue or kill its process."""
-        with self._cond:
-            if job in self._queue:
+        with self._cond:  # futures are resolved outside it: their callbacks take locks
+            queued = job in self._queue
+            if queued:
                 self._queue.remove(job)
-                job.future.cancel()
-                return
             job.cancelled = True
             worker = job.worker
+        if queued:
+            job.future.cancel()
+            return
         if worker is not None and not job.future.done():
             worker.kill(job)
 
@@ -104,26 +112,39 @@ class CompilePool:
     def shutdown(self) -> None:
         with self._cond:
             self._closed = True
-            for job in self._queue:
-                job.future.cancel()
+            queued = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
+        for job in queued:
+            job.future.cancel()
         for w in self.workers:
             w.kill(None)
 
     def _take(self, worker: _Worker) -> CompileJob | None:
         """The first queued job `worker` may run (called holding the condition)."""
         fast_lane = worker is self.workers[0] and len(self.workers) > 1
-        now = time.monotonic()
-        for job in [j for j in self._queue if now - j.queued_at > self.timeout_s]:
-            self._queue.remove(job)
-            job.future.set_exception(Busy(f"every grammar worker was busy for "
-                                          f"{self.timeout_s:g} s"))
         for job in self._queue:
             if not (fast_lane and job.large):
                 self._queue.remove(job)
                 return job
         return None
+
+
+    def _reap(self) -> None:
+        """Refuse the jobs that waited in the queue longer than the time bound."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(0.25 if self._queue else None)
+                now, ready = time.monotonic(), self.ready_at
+                expired = [] if ready is None else [
+                    j for j in self._queue if now - max(j.queued_at, ready) > self.timeout_s]
+                for job in expired:
+                    self._queue.remove(job)
+            for job in expired:
+                job.future.set_exception(Busy(f"every grammar worker was busy for "
+                                              f"{self.timeout_s:g} s"))
 
 
 class _Worker:
@@ -133,9 +154,8 @@ class _Worker:
         self.job: CompileJob | None = None
         self.ready = False
         self._buf = bytearray()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                         name=f"ridgeline-grammar-{index}")
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"ridgeline-grammar-{index}")
 
     def kill(self, job: CompileJob | None) -> None:
         """Kill the process if it is running `job` (any job when None)."""
@@ -218,6 +238,10 @@ class _Worker:
             self._stop()
             raise RuntimeError("a grammar worker process did not start")
         self.ready = True
+        with self.pool._cond:
+            self.pool._started.add(id(self))
+            if self.pool.ready_at is None and len(self.pool._started) == len(self.pool.workers):
+                self.pool.ready_at = time.monotonic()
 
     def _stop(self) -> None:
         proc, self.proc, self.ready = self.proc, None, False
