@@ -106,8 +106,8 @@ class CompilePool:
 
     def pids(self) -> list[int]:
         """The worker processes started and ready (for tests and metrics)."""
-        return [w.proc.pid for w in self.workers
-                if w.ready and w.proc is not None and w.proc.poll() is None]
+        return [p.pid for w in self.workers
+                if w.ready and (p := w.proc) is not None and p.poll() is None]
 
     def shutdown(self) -> None:
         with self._cond:
@@ -128,7 +128,6 @@ class CompilePool:
                 self._queue.remove(job)
                 return job
         return None
-
 
     def _reap(self) -> None:
         """Refuse the jobs that waited in the queue longer than the time bound."""
