@@ -103,7 +103,7 @@ async def started(request: Request, streams: list[RequestStream]
     """
     outputs = merge(streams)
     nxt = asyncio.ensure_future(anext(outputs))
-    watcher = asyncio.create_task(until_disconnect(request))
+    watcher = asyncio.create_task(_until_disconnect(request))
     await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if not nxt.done():
         nxt.cancel()  # the merge's own cleanup aborts the requests
@@ -122,7 +122,7 @@ async def started(request: Request, streams: list[RequestStream]
     return chained()
 
 
-async def until_disconnect(request: Request) -> None:
+async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -137,7 +137,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list[Reques
         return finals  # type: ignore[return-value]
 
     task = asyncio.create_task(run())
-    watcher = asyncio.create_task(until_disconnect(request))
+    watcher = asyncio.create_task(_until_disconnect(request))
     await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
         watcher.cancel()

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from app.engine.grammar import StructuredOutput
 from app.server.errors import APIError
 from app.server.state import engine
-from app.server.streaming import ClientDisconnected, until_disconnect
+from app.server.streaming import ClientDisconnected
 
 
 def _schema(value: Any, param: str) -> StructuredOutput:
@@ -88,6 +88,12 @@ def _one(found: list[tuple[StructuredOutput, str]]) -> tuple[StructuredOutput, s
     return found[0] if found else None
 
 
+async def _left(request: Request) -> None:
+    """Returns when the client has gone (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
                    ) -> StructuredOutput | None:
     """Compile the grammar (off the loop, bounded, cached) before anything is queued; a
@@ -102,7 +108,7 @@ async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
     done = grammars.cached(so)
     if done is None:
         task = asyncio.ensure_future(grammars.compile(so, param, checked=True))
-        watcher = asyncio.create_task(until_disconnect(request))
+        watcher = asyncio.create_task(_left(request))
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
         if not task.done():
