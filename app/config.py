@@ -171,6 +171,20 @@ class EngineConfig:
     chat_template_render_memory: int | str = setting(
         "512MiB", "address space of each chat template worker process (RLIMIT_AS); a render "
         "that needs more is a 400")
+    # Structured outputs: every grammar compile is bounded (app/engine/grammar_pool.py).
+    grammar_compile_timeout: float = setting(
+        10.0, "seconds a grammar (JSON schema, regex, choice, EBNF, tool schemas) may take "
+        "to compile; past it the worker is killed and the request gets a 400")
+    grammar_compile_memory: int | str = setting(
+        512 << 20, "memory a grammar compile may add to its worker process, e.g. 512MiB "
+        "(past it: a 400)")
+    grammar_workers: int = setting(2, "grammar-compiling processes; with two or more, the "
+                                   "first compiles only specs up to 1 KiB, so a short one "
+                                   "never waits behind a large one")
+    grammar_cache_bytes: int | str = setting(64 << 20, "bytes of compiled grammars kept "
+                                             "for reuse (least recently used out first)")
+    grammar_max_spec_bytes: int | str = setting(128 << 10, "largest grammar spec accepted "
+                                                "(a schema, regex, EBNF...; 400 beyond)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -182,6 +196,14 @@ class EngineConfig:
         _positive("chat_template_render_timeout", self.chat_template_render_timeout, 0.01)
         _positive("chat_template_render_memory", self.chat_template_render_memory, 64 << 20)
         _positive("torch_threads", self.torch_threads)
+        for name in ("grammar_compile_memory", "grammar_cache_bytes", "grammar_max_spec_bytes"):
+            if isinstance(getattr(self, name), str):  # '512MiB' from a flag or a caller
+                object.__setattr__(self, name, parse_bytes(getattr(self, name)))
+            _positive(name, getattr(self, name))
+        _positive("grammar_workers", self.grammar_workers)
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, "
+                             f"got {self.grammar_compile_timeout}")
         if self.int8_activations and not self.cpu_quantized_matmul:
             raise ValueError("int8_activations reads a GGUF's blocks: it needs "
                              "cpu_quantized_matmul")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from app.config import EngineConfig
 from app.engine.admission import AdmissionController
 from app.engine.errors import InvalidParameter
-from app.engine.grammar import GrammarService
+from app.engine.grammar import GrammarLimits, GrammarService
 from app.engine.kv_blocks import BlockManager
 from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
 from app.engine.output_processor import OutputProcessor
@@ -117,7 +117,7 @@ class EngineCore:
         self._submitted_at = 0.0
         self.outputs = OutputProcessor(FastDecoder(self.tokenizer), self.max_model_len)
         self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size,
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, GrammarLimits.from_config(config))
         self._arrivals = 0
 
     def _kv_event_publisher(self, config: KVEventsConfig) -> ZmqPublisher | None:

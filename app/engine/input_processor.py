@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,7 @@ from models.tokenizer import chat_render_job, encode_rendered
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_THREADS = 2
+STUCK_SECONDS = 30.0  # far past any bounded tokenisation (a whole context takes ~0.1 s)
 RENDER_WORKERS = 2  # per pool: the model's template's, and requests' templates'
 
 
@@ -44,7 +46,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_model_len * max(1, longest_token)
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ridgeline-tokenize")
+        self._running: dict[int, float] = {}  # tokenizer job -> when a thread took it
 
     def check_text(self, text: str, param: str, total: int | None = None) -> None:
         """Refuse what cannot be tokenised or cannot fit, before tokenising it."""
@@ -104,7 +108,27 @@ class InputProcessor:
 
     async def _run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        job = object()
+
+        def run():
+            self._running[id(job)] = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._running.pop(id(job), None)
+        return await loop.run_in_executor(self._pool, run)
+
+    def stuck(self) -> str | None:
+        """Why a plain chat or text prompt cannot be served now, else None: every
+        tokenizer thread held past `STUCK_SECONDS`, or the model's template renderer
+        unable to start. The bounds make both unlikely; `/health` says so if they happen."""
+        started = list(self._running.values())
+        if len(started) >= self._threads and \
+                time.monotonic() - max(started) > STUCK_SECONDS:
+            return "tokenizer threads stuck"
+        if self.renderer.cannot_start:
+            return "chat template renderer cannot start"
+        return None
 
     def start(self) -> None:
         """Start the model's template workers (in the background: nothing waits)."""

@@ -175,6 +175,11 @@ class RenderPool:
         self._workers.clear()
 
     @property
+    def cannot_start(self) -> bool:
+        """No worker runs or is starting, and the last start failed (retried later)."""
+        return self._failure is not None and not self._workers and not self._spawning
+
+    @property
     def num_workers(self) -> int:
         return len(self._workers)
 
@@ -182,7 +187,7 @@ class RenderPool:
         while True:
             if self._closed:
                 raise RenderFailed("unavailable", "the server is shutting down")
-            if self._failure is not None and not self._workers and not self._spawning:
+            if self.cannot_start:
                 raise RenderFailed("unavailable", f"the chat template renderer cannot "
                                    f"start: {self._failure}")
             try:

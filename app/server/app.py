@@ -146,6 +146,8 @@ async def health(request: Request) -> Response:
     st = state(request)
     engine = st.engine
     ok = engine is not None and engine.healthy and not st.draining
+    inputs_stuck = engine.inputs.stuck() if ok else None
+    ok = ok and inputs_stuck is None
     body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
     if st.draining:
         body["reason"] = "draining"
@@ -153,6 +155,8 @@ async def health(request: Request) -> Response:
         body["reason"] = "model failed to load"
     elif engine is None:
         body["reason"] = "loading"
+    elif inputs_stuck is not None:
+        body["reason"] = inputs_stuck
     elif not ok:
         body["reason"] = "engine stopped" if engine.dead is not None else "step stalled"
     if engine is not None:

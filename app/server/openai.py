@@ -34,7 +34,13 @@ from app.server.reasoning import ChoiceReasoning, ReasoningStream, compiled_for_
 from app.server.state import check_model, default_max_tokens, engine, state
 from app.server.streaming import collect, queue_all, sse, started, unless_disconnected
 from app.server.structured import compiled, from_openai
-from app.server.tools import ToolCallStream, grammar_for, template_supports_tools
+from app.server.tools import (
+    ToolCallStream,
+    ToolSchemaError,
+    check_enforced_schemas,
+    grammar_for,
+    template_supports_tools,
+)
 from app.server.tools import parse as parse_tool_calls
 from app.server.tools import render as render_tools
 
@@ -258,6 +264,10 @@ async def _chat_prompt(request: Request, req: ChatCompletionRequest):
         raise APIError(400, "continue_final_message needs add_generation_prompt false",
                        "continue_final_message")
     in_play = tools if choice != "none" else None
+    try:
+        check_enforced_schemas(in_play or [], choice)
+    except ToolSchemaError as e:
+        raise APIError(400, f"{e.param}: {e}", e.param) from e
     native = template_supports_tools(engine(request).core.tokenizer, req.chat_template)
     messages, kwargs = await off_loop_if_large(request, lambda: render_tools(
         [m.template_dict() for m in req.messages], in_play, native))

@@ -10,6 +10,9 @@ OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schem
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 from typing import Any
 
@@ -18,6 +21,7 @@ from starlette.requests import Request
 from app.engine.grammar import StructuredOutput
 from app.server.errors import APIError
 from app.server.state import engine
+from app.server.streaming import ClientDisconnected
 
 
 def _schema(value: Any, param: str) -> StructuredOutput:
@@ -84,12 +88,33 @@ def _one(found: list[tuple[StructuredOutput, str]]) -> tuple[StructuredOutput, s
     return found[0] if found else None
 
 
+async def _left(request: Request) -> None:
+    """Returns when the client has gone (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
                    ) -> StructuredOutput | None:
-    """Compile the grammar (off the loop, cached) before anything is queued; a spec that
-    does not compile is a 400 naming its field."""
+    """Compile the grammar (off the loop, bounded, cached) before anything is queued; a
+    spec past a bound or that does not compile is a 400 naming its field. The compiled
+    grammar travels with the spec to the engine. A client that leaves while its grammar
+    compiles stops the compile (when no other request waits for the same one)."""
     if wanted is None:
         return None
     so, param = wanted
-    await engine(request).core.grammars.compile(so, param)
-    return so
+    grammars = engine(request).core.grammars
+    grammars.check(so, param)
+    done = grammars.cached(so)
+    if done is None:
+        task = asyncio.ensure_future(grammars.compile(so, param, checked=True))
+        watcher = asyncio.create_task(_left(request))
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnected()
+        done = task.result()
+    return dataclasses.replace(so, compiled=done)

@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from app.engine.grammar import StructuredOutput
+from app.engine.grammar_bounds import check_depth, check_schema
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)
@@ -106,6 +107,28 @@ def _tag(function: dict) -> dict:
     return {"type": "tag", "begin": f'{START}\n{{"name": {json.dumps(function["name"])}, '
                                     f'"arguments": ',
             "content": {"type": "json_schema", "json_schema": params}, "end": f"}}\n{END}"}
+
+
+def check_enforced_schemas(tools: list[dict], choice: Any) -> None:
+    """The parameter schemas a required or named `tool_choice` will enforce pass the same
+    checks as `response_format`'s; a ValueError names the tool's field."""
+    if choice != "required" and not isinstance(choice, dict):
+        return  # "auto": the schemas are shown to the model, not enforced
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") or {}
+        if isinstance(choice, dict) and fn.get("name") != choice["function"]["name"]:
+            continue
+        try:
+            check_depth(fn.get("parameters"), "the schema")
+            check_schema(fn.get("parameters"))
+        except ValueError as e:
+            raise ToolSchemaError(f"tools[{i}].function.parameters", str(e)) from e
+
+
+class ToolSchemaError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def grammar_for(tools: list[dict], choice: Any, parallel: bool) -> StructuredOutput | None:
