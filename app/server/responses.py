@@ -159,9 +159,9 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
         (out,) = await collect(request, streams)
         built = assembler()
         built.feed_whole(out.text)
-        if req.wants_logprobs:
-            built.output[0]["content"][0]["logprobs"] = logprobs(out, delta_only=False)
         built.close(cut_short=out.finish_reason == "length")
+        if req.wants_logprobs:  # no tools, no thinking: the output is one message
+            built.output[0]["content"][0]["logprobs"] = logprobs(out, delta_only=False)
         return JSONResponse(finished(out, built))
 
     outputs = await started(request, streams)
