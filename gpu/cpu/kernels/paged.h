@@ -43,7 +43,7 @@ inline void prefetch_rows(const T* p, int64_t rows, int64_t D) {
 // time: calls fn(pool_row_offset, index_from_first, count) for each run of consecutive
 // slots. Each block is a jump to another 4 KB (block_size 16, D 64, fp32), where the
 // hardware prefetcher starts over, so the next run is prefetched before this one is
-// used: 0.83-0.91x the time per layer, measured (B 1-64, 200-1000 tokens).
+// used (benchmarks/cpu_decode_ab.py).
 template <typename T, typename Fn>
 inline void for_each_run(const T* pool, int64_t D, const int32_t* table, int64_t first,
                          int64_t n, int64_t block_size, Fn&& fn) {
@@ -121,7 +121,7 @@ void values_pass(const float* probs, const T* v, const int32_t* table, int64_t f
       // Tiles of up to 4 heads x 64 dims, 16 accumulator registers: each value row is
       // loaded once for the tile's heads, and the FMAs into different registers do not
       // wait on each other (one accumulator per head and 16 dims made every FMA wait
-      // for the previous one: ~4x slower, measured).
+      // for the previous one).
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
           switch (std::min<int64_t>(4, G - g0)) {

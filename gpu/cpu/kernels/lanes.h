@@ -3,8 +3,7 @@
 //
 // Why: a loop over c10::BFloat16 values, written plainly, stays scalar (GCC does not
 // vectorise the conversions); in a bf16 model the row kernels between the matmuls
-// then ran 5-13x their float32 time (SiLU-and-mul at 64 rows: 926 us a call against
-// ~70 us, a quarter of the decode step).
+// would then run several times their float32 time.
 //
 // Rounding is c10's: widening is exact (the 16 bits shifted up), narrowing rounds to
 // nearest even, NaN becomes 0x7FC0, exactly as `c10::BFloat16(float)` does, so a
