@@ -46,8 +46,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class RunnerSpec:
     """What the model thread needs to build itself (plain values: crosses threads).
 
-    No defaults here: every value comes from the engine's config (`app/config.py`
-    is the one home of settings), picked by field name with `from_config`.
+    Every value the engine passes comes from its config (`app/config.py` is the one
+    home of settings), picked by field name with `from_config`. The last three CPU
+    options have defaults only so that a spec built by hand (a test, a script) may leave
+    them out; `from_config` always sets them.
     """
 
     model_dir: str
@@ -111,9 +113,8 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
 
 
 def cpu_capabilities(backend_name: str, device: torch.device) -> CpuCapabilities | None:
-    """What the CPU and its C++ kernels can do, resolved once at load (None off CPU). The
-    kernels are built and loaded for the `auto` attention backend; `torch` keeps plain
-    torch, the reference."""
+    """What the CPU and its C++ kernels can do, resolved once at load (None off CPU); the
+    kernels are loaded for the `auto` attention backend (`torch`: plain torch)."""
     if device.type != "cpu":
         return None
     return resolve_cpu_capabilities(use_kernels=backend_name == "auto")
@@ -206,8 +207,7 @@ class ModelRunner:
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
                                        ops=decoder_ops(self.backend, self.capabilities))
         # Allocate in the serving dtype: the weights never exist in fp32 first. (Not
-        # `.to(dtype).to_empty()`: on meta tensors that runs torch's Python references,
-        # whose first use imports sympy, ~0.4 s of start-up.)
+        # `.to(dtype).to_empty()`: on meta tensors that imports sympy, slow to start.)
         model._apply(lambda t: torch.empty(
             t.shape, device=self.device,
             dtype=self.dtype if t.is_floating_point() else t.dtype))

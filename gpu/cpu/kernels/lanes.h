@@ -95,6 +95,7 @@ template <typename T> inline Vec rounded(Vec v) { return round16<T>(v); }
 inline Vec splat(float x) { return _mm512_set1_ps(x); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, once rounded
 inline Vec neg(Vec a) {  // the sign flipped, zeros too (0 - a would give +0 for +0)
   const __m512i sign = _mm512_set1_epi32(INT32_MIN);
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), sign));
@@ -109,6 +110,7 @@ template <typename T> inline Vec rounded(Vec v) { return round8<T>(v); }
 inline Vec splat(float x) { return _mm256_set1_ps(x); }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec neg(Vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline float sum_lanes(Vec v) { return reduce_add8(v); }
 #endif
