@@ -21,7 +21,7 @@ import torch
 
 from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.kernels.cpu.build import cpu_kernels
+from gpu.cpu.kernels.build import cpu_kernels
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.ops import DecoderOps
@@ -42,7 +42,7 @@ def load(dtype: torch.dtype, max_len: int):
     model.rotary = model.make_rotary(max_len)
     model.load_weights(iter_safetensors(model_dir, dtype))
     if dtype == torch.bfloat16:
-        from gpu.cpu_linear import pack_linears
+        from gpu.cpu.linear import pack_linears
 
         pack_linears(model)
     return model.eval(), cfg

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu.kernels.cpu.build import cpu_kernels
-from gpu.panel_blocks import PanelBlocks
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 
 LAYERS = 30

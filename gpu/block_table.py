@@ -1,8 +1,8 @@
 """Block tables that live on the device and change by deltas, not rebuilt every step.
 
 A running request's block table only grows, by one block every `block_size` tokens;
-rebuilding a `[batch, width]` table from Python lists every step costs 1–3.7 ms at
-batch 256 on the host. So the engine gives each scheduled request a row of one
+rebuilding a `[batch, width]` table from Python lists every step costs milliseconds
+at a batch of hundreds. So the engine gives each scheduled request a row of one
 persistent device table and sends only the entries that row has not received yet
 (`Batch.table_rows`, `Batch.table_updates`; the event-loop side is
 `app/engine/table_rows.py`). vLLM's `BlockTable` keeps per-request rows for the same

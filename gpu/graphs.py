@@ -36,9 +36,9 @@ from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.batch import Batch
 from gpu.block_table import DeviceBlockTable
-from gpu.kernels.paged_decode import choose_num_splits, num_sms
 from gpu.staging import Staging
 from gpu.step_inputs import whole_tables
+from gpu.triton.paged_decode import choose_num_splits, num_sms
 
 log = logging.getLogger("ridgeline.graphs")
 

@@ -140,18 +140,18 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """One layer's K or V pool, all zeros, so that stale NaNs can never leak through a mask.
 
     On CPU it is a private anonymous memory mapping, which the kernel hands out as zero
-    pages on first touch: the pool costs nothing at start (writing 1 GiB of zeros took
-    ~0.3 s of the server's start-up), and memory no request ever used is never faulted
-    in. The tensor keeps the mapping alive. Private, not mmap's default shared mapping:
-    shared anonymous memory is shmem, slower to fault in (1 GiB: 390-410 ms against
-    270-290 ms) and outside the host's transparent-huge-page setting, which a private
-    mapping follows (where it is `always`, the pool gets huge pages).
+    pages on first touch: the pool costs nothing at start (writing zeros would cost a
+    pass over the whole budget), and memory no request ever used is never faulted in.
+    The tensor keeps the mapping alive. Private, not mmap's default shared mapping:
+    shared anonymous memory is shmem, slower to fault in, and outside the host's
+    transparent-huge-page setting, which a private mapping follows (where it is
+    `always`, the pool gets huge pages).
 
     The pool is not advised onto huge pages (MADV_HUGEPAGE) itself. Touched in advance
-    they made the decode kernel 0.81-0.83x, but the first touch is where they cost: on
-    this host, with memory full of page cache, faulting in 1 GiB of them took 4.9 s
-    (0.17 s once freed huge pages were at hand), and offline throughput fell to 0.78x.
-    A server would pay that inside its first steps, as latency spikes."""
+    they make the decode kernel faster, but the first touch is where they cost: with
+    memory full of page cache, faulting them in can take seconds while the kernel
+    compacts memory, and a server would pay that inside its first steps, as latency
+    spikes."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize

@@ -7,8 +7,8 @@ the model runs in (its dtype, its torch threads):
 
 - bandwidth: a device-to-device copy of a buffer as large as the weights (bounded; on
   CPU twice the last-level cache, 64-256 MiB: the copy's reads and writes span four
-  times the cache, and a larger buffer only adds page faults to the start: 256 MiB took
-  0.43 s of a 2-core host's start, 64 MiB 0.19 s, the same GB/s), counting the bytes
+  times the cache, and a larger buffer only adds page faults to the start at the same
+  GB/s), counting the bytes
   read and the bytes written, as a step's traffic is counted;
 - matmul: a square matmul in the served dtype through `F.linear`, the model's own
   path (1024 on CPU, 8192 on CUDA: large enough to reach the plateau). With
@@ -117,7 +117,7 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, m: int) -> float:
 def _int8_matmul_seconds(kernels, m: int) -> float:
     """An m x m x m matmul as `--int8-activations` runs it: x quantized to int8 against
     Q4_1 blocks (random levels; f16 scales, as `PanelBlocks` requires)."""
-    from gpu.panel_blocks import PanelBlocks
+    from gpu.cpu.panel_blocks import PanelBlocks
     from models.gguf_blocks import QuantizedWeight
 
     blocks = m // 32

@@ -25,7 +25,7 @@ batch's query and context lengths; nothing is measured here):
 - bytes written = tokens × KV bytes per token (the new K and V)
 
 Where a CPU reads a GGUF's quantized blocks for matmuls of few rows
-(`gpu/cpu_linear.py`), those steps read the blocks' bytes instead (`blocks`).
+(`gpu/cpu/linear.py`), those steps read the blocks' bytes instead (`blocks`).
 
 Activations, norms and the sampler are left out: they are not the traffic a step
 cannot avoid. So MBU (achieved bytes/s over peak) and MFU (achieved FLOP/s over peak)

@@ -18,6 +18,9 @@ import torch
 from gpu.attention.base import AttentionBackend, StepContext
 from gpu.batch import Batch, SamplingRow, StepResult
 from gpu.block_table import DeviceBlockTable
+from gpu.cpu.capabilities import CpuCapabilities, describe
+from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
+from gpu.cpu.threads import ThreadGovernor
 from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
@@ -25,7 +28,6 @@ from gpu.roofline import DevicePeaks, ModelCost, flop_rate
 from gpu.sampler import Sampler
 from gpu.staging import Staging
 from gpu.step_inputs import apply_table_updates, stage_eager_step
-from gpu.threads import ThreadGovernor
 from models import gguf_blocks
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
@@ -44,8 +46,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class RunnerSpec:
     """What the model thread needs to build itself (plain values: crosses threads).
 
-    No defaults here: every value comes from the engine's config (`app/config.py`
-    is the one home of settings), picked by field name with `from_config`.
+    Every value the engine passes comes from its config (`app/config.py` is the one
+    home of settings), picked by field name with `from_config`. The last three CPU
+    options have defaults only so that a spec built by hand (a test, a script) may leave
+    them out; `from_config` always sets them.
     """
 
     model_dir: str
@@ -108,7 +112,17 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tor
                      f"{str(dtype).removeprefix('torch.')} on {device} (use auto)")
 
 
-def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int):
+def cpu_capabilities(backend_name: str, device: torch.device) -> CpuCapabilities | None:
+    """What the CPU and its C++ kernels can do, resolved once at load (None off CPU); the
+    kernels are loaded for the `auto` attention backend (`torch`: plain torch)."""
+    if device.type != "cpu":
+        return None
+    return resolve_cpu_capabilities(use_kernels=backend_name == "auto")
+
+
+def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int,
+                 capabilities: CpuCapabilities | None = None):
+    """The attention backend; on CPU it takes `capabilities` (resolved here if not given)."""
     args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from gpu.attention.triton_backend import TritonAttentionBackend
@@ -116,25 +130,24 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
         return TritonAttentionBackend(*args)
     from gpu.attention.torch_backend import TorchAttentionBackend
 
-    kernels = None
-    if name == "auto" and device.type == "cpu":  # "torch" keeps plain torch, the reference
-        from gpu.kernels.cpu.build import cpu_kernels
+    if name != "auto" or device.type != "cpu":  # "torch" keeps plain torch, the reference
+        return TorchAttentionBackend(*args)
+    if capabilities is None:
+        capabilities = cpu_capabilities(name, device)
+    return TorchAttentionBackend(*args, kernels=capabilities)
 
-        kernels = cpu_kernels()
-    return TorchAttentionBackend(*args, kernels=kernels)
 
-
-def decoder_ops(backend: AttentionBackend) -> DecoderOps:
+def decoder_ops(backend: AttentionBackend,
+                capabilities: CpuCapabilities | None = None) -> DecoderOps:
     """Fused kernels for the steps between matmuls: Triton where attention runs on
     Triton (which fuses RoPE into its KV store too), C++ on CPU where those kernels are
     built (`attention_backend` auto); plain torch otherwise."""
-    kernels = getattr(backend, "kernels", None)
-    if kernels is not None and hasattr(kernels, "add_rms_norm_"):
-        from gpu.kernels.cpu.ops import CpuDecoderOps
+    if capabilities is not None and capabilities.has("add_rms_norm_"):
+        from gpu.cpu.decoder_ops import CpuDecoderOps
 
-        return CpuDecoderOps(kernels)
+        return CpuDecoderOps(capabilities)
     if backend.fuses_rotary:
-        from gpu.kernels.decoder_ops import TritonDecoderOps
+        from gpu.triton.decoder_ops import TritonDecoderOps
 
         return TritonDecoderOps()
     return DecoderOps()
@@ -181,17 +194,20 @@ class ModelRunner:
         # Before anything of ours is allocated: what other processes (and the context) hold.
         self._free_at_start = (torch.cuda.mem_get_info(self.device)[0]
                                if self.device.type == "cuda" else None)
+        # Resolved once; the backend, the decoder ops and the linears ask it.
+        self.capabilities = cpu_capabilities(spec.attention_backend, self.device)
+        if self.capabilities is not None:
+            log.info("CPU capabilities: %s", describe(self.capabilities))
         self.backend: AttentionBackend = make_backend(
-            spec.attention_backend, self.device, self.config, spec.block_size
-        )
+            spec.attention_backend, self.device, self.config, spec.block_size,
+            self.capabilities)
         t0 = time.perf_counter()
         block_reads = None  # what few-row steps read from a GGUF's blocks instead
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
-                                       ops=decoder_ops(self.backend))
+                                       ops=decoder_ops(self.backend, self.capabilities))
         # Allocate in the serving dtype: the weights never exist in fp32 first. (Not
-        # `.to(dtype).to_empty()`: on meta tensors that runs torch's Python references,
-        # whose first use imports sympy, ~0.4 s of start-up.)
+        # `.to(dtype).to_empty()`: on meta tensors that imports sympy, slow to start.)
         model._apply(lambda t: torch.empty(
             t.shape, device=self.device,
             dtype=self.dtype if t.is_floating_point() else t.dtype))
@@ -201,16 +217,16 @@ class ModelRunner:
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
-        if self.device.type == "cpu":
-            from gpu import cpu_linear
+        if self.capabilities is not None:
+            from gpu.cpu import linear as cpu_linear
 
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
             # The blocks serve float32 matmuls (a float32 model, or bf16 widened) and a bf16
-            # model's calls of few rows (`cpu_linear.BF16_QUANTIZED_MAX_ROWS`).
+            # model's calls of few rows (`gpu/cpu/routing.py`).
             blocks = (gguf_blocks.load(spec.model_dir) if spec.cpu_quantized_matmul
                       and weights is None
                       and matmul_dtype in (torch.float32, torch.bfloat16) else {})
-            kernels = getattr(self.backend, "kernels", None)
+            kernels = self.capabilities
             if spec.int8_activations and (why := cpu_linear.int8_unavailable(
                     self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
@@ -232,8 +248,8 @@ class ModelRunner:
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
         self.peaks: DevicePeaks = measure_peaks(
             self.device, matmul_dtype, weights_bytes,
-            int8_kernels=getattr(self.backend, "kernels", None) if spec.int8_activations
-            else None)
+            int8_kernels=self.capabilities.kernels if spec.int8_activations
+            and self.capabilities is not None else None)
         self.profile = self._profile()
         dtype_bytes = torch.tensor([], dtype=matmul_dtype).element_size()
         kv_dtype_bytes = torch.tensor([], dtype=self.kv_dtype).element_size()
@@ -268,7 +284,8 @@ class ModelRunner:
                          for _ in range(self.config.num_layers)]
         self.v_caches = [zeroed_pool(shape, self.kv_dtype, self.device)
                          for _ in range(self.config.num_layers)]
-        self.sampler = Sampler(self.device, spec.seed, getattr(self.backend, "kernels", None))
+        self.sampler = Sampler(self.device, spec.seed,
+                               self.capabilities.kernels if self.capabilities else None)
         # The engine's block tables, one persistent row per scheduled request.
         max_blocks = -(-spec.max_model_len // spec.block_size)
         self.tables = DeviceBlockTable(spec.max_num_seqs, max_blocks, self.device)

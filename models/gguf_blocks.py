@@ -4,7 +4,7 @@ Why: the float32 checkpoint a GGUF converts into holds exactly the values its bl
 encode, but in 6-7x the bytes. A decode step of a few sequences is bound by how fast
 the weights stream from memory (SmolLM2 in float32: 540 MB a token), so the CPU's
 matmuls of few rows read these blocks instead and dequantize in registers
-(`gpu/kernels/cpu/quant_linear.cpp`), as llama.cpp does. The dequantized values are
+(`gpu/cpu/kernels/quant_linear.cpp`), as llama.cpp does. The dequantized values are
 bit-identical to the float32 checkpoint's (gguf-py computes `d * q + m` in float32,
 and so does the kernel), so outputs differ from the float32 path only by summation
 order, like any two matmul libraries.

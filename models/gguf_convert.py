@@ -10,7 +10,7 @@ tests use.
 Every conversion also keeps the Q4_1 / Q8_0 weights' blocks as they are
 (`models/gguf_blocks.py`): the CPU's float32 small-batch matmuls read them, the same
 values in a sixth of the bytes, and so do a bf16 model's on a CPU without bf16
-arithmetic (which multiplies in float32, `gpu/cpu_linear.py`).
+arithmetic (which multiplies in float32, `gpu/cpu/linear.py`).
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only

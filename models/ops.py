@@ -2,7 +2,7 @@
 
 The residual add joined with the next RMSNorm, and SiLU-and-multiply. The CPU path
 runs exactly these; they are also the references of the fused Triton kernels the model
-thread installs on CUDA (`gpu/kernels/decoder_ops.py`, same signatures), which do each
+thread installs on CUDA (`gpu/triton/decoder_ops.py`, same signatures), which do each
 step in one kernel instead of two or three. The model holds one `DecoderOps` object,
 chosen once when it is built, so no call site branches on the device.
 """

@@ -3,7 +3,7 @@
 Sections, each guarded so that one failure leaves the others' results (in this order:
 the model's users first, then the sections that need its memory back):
   env          versions, compute capability, SM count, the Triton cache folder
-  kernels      every kernel against gpu/kernels/reference.py at Llama-3-8B head shapes
+  kernels      every kernel against gpu/triton/reference.py at Llama-3-8B head shapes
   roofline     device-to-device copy bandwidth and bf16 matmul TFLOP/s
   attention    paged decode at (1, 32k) .. (256, 2k) against copy bandwidth; decode rows
                of a mixed batch through the decode kernel vs through the prefill kernel

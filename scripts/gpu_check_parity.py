@@ -22,12 +22,12 @@ from gpu_check_common import LLAMA3_8B, TINY, Seqs, capture_logits, random_promp
 from app.config import EngineConfig
 from gpu.batch import SamplingRow
 from gpu.graphs import GraphRunner
-from gpu.kernels.kv_store import store_kv
-from gpu.kernels.paged_decode import paged_decode_attention
-from gpu.kernels.prefill import prefill_attention
-from gpu.kernels.reference import gather_kv, paged_decode_attention_ref, prefill_attention_ref
-from gpu.kernels.rotary_kv_store import rotary_store_kv
 from gpu.runner import ModelRunner, RunnerSpec
+from gpu.triton.kv_store import store_kv
+from gpu.triton.paged_decode import paged_decode_attention
+from gpu.triton.prefill import prefill_attention
+from gpu.triton.reference import gather_kv, paged_decode_attention_ref, prefill_attention_ref
+from gpu.triton.rotary_kv_store import rotary_store_kv
 
 FP32_LOGITS_TOL = 2e-3
 NEAR_TIE = 0.1

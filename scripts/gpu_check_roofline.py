@@ -12,10 +12,10 @@ from functools import partial
 
 import torch
 
-from gpu.kernels.kv_store import store_kv
-from gpu.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from gpu.kernels.prefill import prefill_attention
-from gpu.kernels.reference import (
+from gpu.triton.kv_store import store_kv
+from gpu.triton.paged_decode import choose_num_splits, paged_decode_attention
+from gpu.triton.prefill import prefill_attention
+from gpu.triton.reference import (
     paged_decode_attention_ref,
     prefill_attention_ref,
     store_kv_ref,
@@ -99,9 +99,9 @@ def builtin_kernel_check(check) -> dict:
 
 def fused_kernel_errors(check, heads, kv_heads, dim, k_cache, v_cache, g) -> dict:
     """The fused elementwise kernels at Llama-3-8B widths against plain torch."""
-    from gpu.kernels.decoder_ops import TritonDecoderOps
-    from gpu.kernels.reference import rotary_store_kv_ref
-    from gpu.kernels.rotary_kv_store import rotary_store_kv
+    from gpu.triton.decoder_ops import TritonDecoderOps
+    from gpu.triton.reference import rotary_store_kv_ref
+    from gpu.triton.rotary_kv_store import rotary_store_kv
     from models.ops import DecoderOps
     from models.rope import Rotary
 

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from gpu.kernels import (  # noqa: E402
+from gpu.triton import (  # noqa: E402
     decode_splits,
     kv_store,
     paged_decode,
@@ -37,7 +37,7 @@ from gpu.kernels import (  # noqa: E402
     rms_norm,
     rotary_kv_store,
 )
-from gpu.kernels import silu_and_mul as silu  # noqa: E402
+from gpu.triton import silu_and_mul as silu  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16 = "*bf16"

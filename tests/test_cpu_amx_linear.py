@@ -1,4 +1,4 @@
-"""The AMX kernel for a bf16 model's Q4_1 layers (`gpu/kernels/cpu/quant_linear_amx.cpp`)
+"""The AMX kernel for a bf16 model's Q4_1 layers (`gpu/cpu/kernels/quant_linear_amx.cpp`)
 and the rows `PackedLinear` hands it.
 
 It multiplies the GGUF's blocks rounded to bf16, the bf16 checkpoint's weights, so with x
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.cpu_linear import AMX_ROWS, PackedLinear, pack_linears
-from gpu.kernels.cpu.build import cpu_kernels
-from gpu.panel_blocks import PanelBlocks
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.linear import AMX_ROWS, PackedLinear, pack_linears
+from gpu.cpu.panel_blocks import PanelBlocks
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight
 

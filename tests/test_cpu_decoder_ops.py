@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.kernels.cpu.build import cpu_kernels
-from gpu.kernels.cpu.ops import CpuDecoderOps
+from gpu.cpu.decoder_ops import CpuDecoderOps
+from gpu.cpu.kernels.build import cpu_kernels
 from models.ops import DecoderOps
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from app.config import EngineConfig
-from gpu.cpu_linear import PackedLinear
-from gpu.panel_blocks import PanelBlocks
+from gpu.cpu.linear import PackedLinear
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 from tests.test_cpu_quant_kernels import (
     KERNELS,

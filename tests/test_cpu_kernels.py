@@ -21,8 +21,8 @@ import torch
 
 from gpu.attention.base import StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.kernels.cpu import build
-from gpu.kernels.cpu.build import cpu_kernels
+from gpu.cpu.kernels import build
+from gpu.cpu.kernels.build import cpu_kernels
 from gpu.runner import make_backend
 from tests.test_kernels import build_step
 

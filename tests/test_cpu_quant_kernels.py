@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.kernels.cpu.build import cpu_kernels
-from gpu.panel_blocks import PanelBlocks
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
@@ -189,7 +189,7 @@ def test_one_pass_dequantize_matches_gguf_dequantizer(fp16_scales) -> None:
     """The load's dequantize (`quant_dequantize.cpp`, behind `panel_blocks.dequantized`) gives
     the float32 checkpoint's values bit for bit, from GGUF row order; with full fp32 scales
     too (it rounds the multiply and the add apart, as numpy does)."""
-    from gpu.panel_blocks import dequantized
+    from gpu.cpu.panel_blocks import dequantized
 
     for n, k in ((37, 576), (1, 32), (300, 64)):  # rows across the parallel grain
         q4 = QuantizedWeight("q4_1", *random_q4_1(n, k, fp16_scales=fp16_scales))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpu.batch import SamplingRow
-from gpu.kernels.cpu.build import cpu_kernels
+from gpu.cpu.kernels.build import cpu_kernels
 from gpu.penalties import PenaltyCounts
 from gpu.sampler import UNIFORM_BITS, Sampler, shape_logits
 

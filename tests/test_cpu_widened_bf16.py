@@ -1,5 +1,5 @@
 """bfloat16 linears on a CPU without bf16 arithmetic (`PackedLinear.widen`,
-`gpu/cpu_linear.py`).
+`gpu/cpu/linear.py`).
 
 There (AVX2) oneDNN cannot pack bf16 and torch's bf16 matmul runs at a fifth of fp32's
 rate, so a bf16 layer multiplies in float32: bf16 in, bf16 out, the products summed in
@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu import cpu_linear
-from gpu.cpu_linear import PackedLinear, multiply_dtype, pack_linears, quantized_max_rows
-from gpu.kernels.cpu.build import cpu_kernels
+from gpu.cpu import linear as cpu_linear
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.linear import PackedLinear, multiply_dtype, pack_linears, quantized_max_rows
 from models import gguf_blocks
 from models.weights import iter_safetensors
 

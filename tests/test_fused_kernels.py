@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.kernels.decoder_ops import TritonDecoderOps
-from gpu.kernels.reference import rotary_store_kv_ref
-from gpu.kernels.rotary_kv_store import rotary_store_kv
+from gpu.triton.decoder_ops import TritonDecoderOps
+from gpu.triton.reference import rotary_store_kv_ref
+from gpu.triton.rotary_kv_store import rotary_store_kv
 from models.ops import DecoderOps
 from models.rope import Rotary
 

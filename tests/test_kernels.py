@@ -15,10 +15,10 @@ import torch
 
 from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.triton_backend import TritonAttentionBackend
-from gpu.kernels.kv_store import store_kv
-from gpu.kernels.paged_decode import SplitWorkspace, choose_num_splits, paged_decode_attention
-from gpu.kernels.prefill import prefill_attention
-from gpu.kernels.reference import (
+from gpu.triton.kv_store import store_kv
+from gpu.triton.paged_decode import SplitWorkspace, choose_num_splits, paged_decode_attention
+from gpu.triton.prefill import prefill_attention
+from gpu.triton.reference import (
     paged_decode_attention_ref,
     prefill_attention_ref,
     store_kv_ref,
@@ -186,7 +186,7 @@ def test_choose_num_splits(num_seqs: int, max_context_len: int, expected: int) -
 def test_prefill_128_row_tiles_and_unmasked_tiles_before_the_diagonal() -> None:
     """A query long enough for 128-row tiles (16-bit dtypes), over a cached prefix several
     key tiles long: the tiles before the diagonal run without a mask."""
-    from gpu.kernels.prefill import tile_sizes
+    from gpu.triton.prefill import tile_sizes
 
     dtype = torch.bfloat16
     assert tile_sizes(130, HEAD_DIM, dtype.itemsize)[0] == 128

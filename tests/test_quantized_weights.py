@@ -1,5 +1,5 @@
 """The GGUF's quantized blocks kept beside its float32 checkpoint, and the model reading
-them for few-row matmuls on CPU (`models/gguf_blocks.py`, `gpu/cpu_linear.py`).
+them for few-row matmuls on CPU (`models/gguf_blocks.py`, `gpu/cpu/linear.py`).
 
 The blocks must decode to the checkpoint's float32 weights bit for bit (Q/K rows
 un-permuted like the dense ones), fused layers (qkv, gate_up) must stack their HF parts
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu_linear import PackedLinear, pack_linears, quantized_max_rows
-from gpu.kernels.cpu.build import cpu_kernels
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.linear import PackedLinear, pack_linears, quantized_max_rows
 from models import gguf_blocks
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
@@ -121,7 +121,7 @@ def test_without_kernels_or_blocks_nothing_changes(smollm2_dir):
 @needs_kernels
 def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     """MBU must not be computed against fp32 weights a step never read."""
-    from gpu.cpu_linear import quantized_reads
+    from gpu.cpu.linear import quantized_reads
     from gpu.roofline import ModelCost
 
     model = load_model(smollm2_dir)

@@ -19,14 +19,14 @@ import torch
 from gpu.attention.base import StepContext
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend
-from gpu.kernels.paged_decode import SplitWorkspace, paged_decode_attention
-from gpu.kernels.prefill import prefill_attention
-from gpu.kernels.reference import (
+from gpu.memory import window_kv_tokens
+from gpu.triton.paged_decode import SplitWorkspace, paged_decode_attention
+from gpu.triton.prefill import prefill_attention
+from gpu.triton.reference import (
     paged_decode_attention_ref,
     prefill_attention_ref,
     store_kv_ref,
 )
-from gpu.memory import window_kv_tokens
 from tests.test_kernels import (
     DEVICE,
     HEAD_DIM,

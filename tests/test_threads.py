@@ -3,7 +3,7 @@ leaves free (fed fake clocks and CPU counters; no sleeping, no real load)."""
 
 from __future__ import annotations
 
-from gpu.threads import ThreadGovernor, host_busy_ticks, own_ticks
+from gpu.cpu.threads import ThreadGovernor, host_busy_ticks, own_ticks
 
 
 class Host:

@@ -4,25 +4,25 @@ The pool layout is head-major, `[num_kv_heads, num_slots, head_dim]` per layer,
 chosen for CPU: one `index_select` of whole blocks (viewed as
 `[kv_heads, num_blocks, block_size * head_dim]`) gathers a sequence group's keys
 straight into `[kv_heads, B, L, D]`, which batched matmuls take without another
-copy. Measured: ~2x faster per layer than a token-major pool, and gathering
-blocks instead of single slots ~1.7x faster again.
+copy, where a token-major pool needs a transpose per gather, and whole blocks are
+one contiguous read each where single slots are one each.
 
 Sequences are split into two groups: decode rows (one new token each) and
 prefill rows (several new tokens).
 - Storing: with the C++ kernels, RoPE is applied on the way into the pool (q rotated
   in place), one pass per token (`fuses_rotary`); else the model rotates and two
   index_copy_ calls store.
-- Decode rows: when the C++ CPU kernels are built (`gpu/kernels/cpu/`, given as
+- Decode rows: when the C++ CPU kernels are built (`gpu/cpu/kernels/`, given as
   `kernels`), one call reads the pool in place, walking each row's block table: the
   gather below copies every context's K/V once per layer, and that copy dominates a
   step at long contexts. Otherwise two batched matmuls with the query heads of each
   KV head stacked (GQA without repeating K/V); CPU SDPA is slow for one query token.
 - Prefill rows: with the C++ kernels, one call reads the pool in place too
   (`paged_prefill.cpp`): after a cached prefix the new tokens are few and the keys many,
-  and the gather and masked SDPA below took ~40% of such a step (0.75x the step with
-  the kernel, measured: 11 sequences of 66 new tokens after 768 cached, beside 5
-  decodes). Otherwise scaled_dot_product_attention with a mask that is causal within
-  the new tokens and hides the padding.
+  and the gather and masked SDPA below copy every cached key and value of the group once
+  per layer (`benchmarks/cpu_decode_ab.py` times both paths). Otherwise
+  scaled_dot_product_attention with a mask that is causal within the new tokens and
+  hides the padding.
 Index and mask tensors are built once per step in `prepare()`; a sliding window's
 mask once per step and window, on first use.
 
@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend, AttentionInputs
+from gpu.cpu.capabilities import CpuCapabilities
 from models.rope import apply_rotary
 
 
@@ -96,11 +97,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  kernels=None):
+        """`kernels`: the runner's `CpuCapabilities`, the library's ops, or None."""
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
-        self.kernels = kernels  # torch.ops.ridgeline_cpu, or None: plain torch throughout
+        capabilities = CpuCapabilities.of(kernels)
+        # torch.ops.ridgeline_cpu, or None: plain torch throughout
+        self.kernels = capabilities.kernels if capabilities.has("paged_decode") else None
         # RoPE joined to the KV store in one C++ pass per token (rotary_kv_store.cpp).
-        self.fuses_rotary = kernels is not None and hasattr(kernels, "rotary_kv_store_")
-        self.prefills_in_place = kernels is not None and hasattr(kernels, "paged_prefill_")
+        self.fuses_rotary = capabilities.has("rotary_kv_store_")
+        self.prefills_in_place = capabilities.has("paged_prefill_")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)

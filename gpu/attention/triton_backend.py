@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionInputs
-from gpu.kernels.kv_store import store_kv
-from gpu.kernels.paged_decode import (
+from gpu.triton.kv_store import store_kv
+from gpu.triton.paged_decode import (
     SplitWorkspace,
     choose_num_splits,
     num_sms,
     paged_decode_attention,
 )
-from gpu.kernels.prefill import prefill_attention
-from gpu.kernels.rotary_kv_store import rotary_store_kv
+from gpu.triton.prefill import prefill_attention
+from gpu.triton.rotary_kv_store import rotary_store_kv
 
 
 @dataclass

@@ -43,7 +43,7 @@ inline void prefetch_rows(const T* p, int64_t rows, int64_t D) {
 // time: calls fn(pool_row_offset, index_from_first, count) for each run of consecutive
 // slots. Each block is a jump to another 4 KB (block_size 16, D 64, fp32), where the
 // hardware prefetcher starts over, so the next run is prefetched before this one is
-// used: 0.83-0.91x the time per layer, measured (B 1-64, 200-1000 tokens).
+// used (benchmarks/cpu_decode_ab.py).
 template <typename T, typename Fn>
 inline void for_each_run(const T* pool, int64_t D, const int32_t* table, int64_t first,
                          int64_t n, int64_t block_size, Fn&& fn) {
@@ -58,53 +58,33 @@ inline void for_each_run(const T* pool, int64_t D, const int32_t* table, int64_t
   }
 }
 
-#ifdef __AVX512F__
-// acc[g0 .. g0+GN) x [d0, d0+64) += sum over the run's `count` keys of p * v, kept in
-// GN x 4 registers for the whole run. The probability of row g and key k is
-// probs[g * row_stride + k * key_stride] (decode: rows of keys; prefill: keys of rows).
+#ifdef LANES_VECTORS
+// acc[g0 .. g0+GN) x [d0, d0 + 4 kLanes) += sum over the run's `count` keys of p * v, kept
+// in GN x 4 registers for the whole run (AVX-512: 64 dims, AVX2: 32). The probability of
+// row g and key k is probs[g * row_stride + k * key_stride] (decode: rows of keys;
+// prefill: keys of rows).
 template <int GN, typename T>
 inline void values_tile(const float* probs, const T* rows, int64_t at, int64_t count,
                         int64_t g0, int64_t d0, int64_t D, float* acc, int64_t row_stride,
                         int64_t key_stride) {
-  __m512 a[GN][4];
+  using lanes::fmadd, lanes::kLanes, lanes::load, lanes::splat, lanes::Vec;
+  Vec a[GN][4];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + d0 + 16 * j);
+    for (int j = 0; j < 4; ++j) a[g][j] = load(acc + (g0 + g) * D + d0 + kLanes * j);
   for (int64_t t = 0; t < count; ++t) {
     const T* r = rows + t * D + d0;
-    const __m512 v0 = load16(r), v1 = load16(r + 16), v2 = load16(r + 32), v3 = load16(r + 48);
+    const Vec v0 = load(r), v1 = load(r + kLanes), v2 = load(r + 2 * kLanes),
+              v3 = load(r + 3 * kLanes);
     for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[(g0 + g) * row_stride + (at + t) * key_stride]);
-      a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
-      a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
-      a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+      const Vec p = splat(probs[(g0 + g) * row_stride + (at + t) * key_stride]);
+      a[g][0] = fmadd(p, v0, a[g][0]);
+      a[g][1] = fmadd(p, v1, a[g][1]);
+      a[g][2] = fmadd(p, v2, a[g][2]);
+      a[g][3] = fmadd(p, v3, a[g][3]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same on AVX2's 16 registers: GN x 32 dims, GN x 4 accumulators (at most 12).
-template <int GN, typename T>
-inline void values_tile8(const float* probs, const T* rows, int64_t at, int64_t count,
-                         int64_t g0, int64_t d0, int64_t D, float* acc, int64_t row_stride,
-                         int64_t key_stride) {
-  __m256 a[GN][4];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_loadu_ps(acc + (g0 + g) * D + d0 + 8 * j);
-  for (int64_t t = 0; t < count; ++t) {
-    const T* r = rows + t * D + d0;
-    const __m256 v0 = load8(r), v1 = load8(r + 8), v2 = load8(r + 16), v3 = load8(r + 24);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 p = _mm256_set1_ps(probs[(g0 + g) * row_stride + (at + t) * key_stride]);
-      a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
-      a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
-      a[g][2] = _mm256_fmadd_ps(p, v2, a[g][2]);
-      a[g][3] = _mm256_fmadd_ps(p, v3, a[g][3]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + (g0 + g) * D + d0 + 8 * j, a[g][j]);
+    for (int j = 0; j < 4; ++j) lanes::store(acc + (g0 + g) * D + d0 + kLanes * j, a[g][j]);
 }
 #endif
 
@@ -121,7 +101,7 @@ void values_pass(const float* probs, const T* v, const int32_t* table, int64_t f
       // Tiles of up to 4 heads x 64 dims, 16 accumulator registers: each value row is
       // loaded once for the tile's heads, and the FMAs into different registers do not
       // wait on each other (one accumulator per head and 16 dims made every FMA wait
-      // for the previous one: ~4x slower, measured).
+      // for the previous one).
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
           switch (std::min<int64_t>(4, G - g0)) {
@@ -149,13 +129,14 @@ void values_pass(const float* probs, const T* v, const int32_t* table, int64_t f
       return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
+    // AVX2 has 16 registers: tiles of up to 3 heads x 32 dims, 12 accumulators.
     if (D % 32 == 0) {
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
           switch (std::min<int64_t>(3, G - g0)) {
-            case 3: values_tile8<3>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
-            case 2: values_tile8<2>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
-            default: values_tile8<1>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+            case 3: values_tile<3>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+            case 2: values_tile<2>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
+            default: values_tile<1>(probs, rows, at, count, g0, d0, D, acc, row_stride, key_stride); break;
           }
         }
       }

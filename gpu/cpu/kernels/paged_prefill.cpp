@@ -5,8 +5,8 @@
 // Why: the torch path gathers each prefilling sequence's whole context into a fresh
 // tensor per layer and calls SDPA with a boolean mask. After a cached prefix (a chat's
 // system prompt, a shared document) the new tokens are few and the keys many, and that
-// gather and SDPA took ~40% of such a step (measured: 11 sequences of 66 new tokens
-// after 768 cached ones, 12.5 ms a layer).
+// gather copies every cached key and value once per layer before SDPA reads them
+// (benchmarks/cpu_decode_ab.py times both paths).
 //
 // Work unit: (sequence, tile of consecutive new tokens, KV head), run in parallel with
 // at::parallel_for. Its rows are the tile's tokens x the G query heads of that KV head,
@@ -51,8 +51,7 @@ namespace {
 using namespace paged;
 
 // New tokens in a full tile. Larger tiles read each key for more rows, but compute more
-// scores their earlier tokens cannot see: 21 tokens (64 rows) made a 128-token prompt
-// 1.15x slower than 16, measured.
+// scores their earlier tokens cannot see; 16 balances the two for the head counts served.
 constexpr int64_t TILE = 16;
 
 #ifdef __AVX512F__

@@ -7,10 +7,9 @@
 // Here each panel of 32 outputs is dequantized once per call, block by block, into an
 // L2-resident bf16 buffer in the tile unit's pair layout; the first tile of x rows
 // multiplies each block as soon as it is widened (the tile unit runs while the next
-// block widens: 10 ms against 12-15 ms at 1-16 rows for SmolLM2's layers, measured),
-// the later tiles run over the buffer. Only Q4_1: the Q8_0 LM head, tried the same way,
-// was slower than oneDNN's packed bf16 at every row count (its levels widen dearer).
-// Measured, and the row counts each path takes: gpu/cpu_linear.py, docs/benchmarks.md.
+// block widens), the later tiles run over the buffer. Only Q4_1: the Q8_0 LM head, done
+// the same way, is slower than oneDNN's packed bf16 at every row count (its levels widen
+// dearer). The row counts this path takes: gpu/cpu/routing.py (`AMX_ROWS`).
 //
 // Exactness: each weight is dequantized as quant_blocks.h does (the float32 checkpoint's
 // value) and rounded to bf16 to nearest even, as the bf16 checkpoint rounded it, so the

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.paged_decode import dot_config
+from gpu.triton.paged_decode import dot_config
 
 LOG2E = math.log2(math.e)
 

@@ -32,7 +32,7 @@ inline float exp_nonpositive(float x) {
 
 // exp_nonpositive on 16 lanes, the same operations in the same order (so the same bits
 // under -ffp-contract=off). Why by hand: GCC left the scalar loop unvectorised in the
-// built library (measured: the softmax was the decode kernel's largest cost).
+// built library, and the softmax is the decode kernel's largest cost.
 inline __m512 exp_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(

@@ -3,7 +3,7 @@
 //
 // Why: from ~8 rows up the exact kernels (quant_linear.cpp) are bound by their fp32
 // FMAs, 16 multiply-adds an instruction. VNNI's vpdpbusd does 64 byte products an
-// instruction at the same rate (measured here: both ~2 a cycle), so with x in int8
+// instruction at the same rate, so with x in int8
 // the work per weight is about a quarter. llama.cpp does this for every quantized
 // matmul on CPU, and vLLM's GGUF kernels on CUDA do it too (Q8_1 activations).
 //
@@ -13,8 +13,8 @@
 //   Q8_0: d_w * d_x * sum(q_w * q_x)
 // with the integer sums exact. So the result differs from the fp32 matmul by x's
 // rounding to 8 bits (each value by at most 1/254 of its block's largest), and greedy
-// tokens can differ from an exact run's; docs/benchmarks.md (session 10) has the
-// measured effect on perplexity and the kernel's speed.
+// tokens can differ from an exact run's. benchmarks/cpu_quant_linear_ab.py times the
+// kernel beside the exact one and oneDNN.
 //
 // How: per panel half (16 outputs, a vector of 16 int32 lanes) and tile of up to kTile
 // rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per output from the
@@ -213,9 +213,8 @@ using avx2::tile_q8_0;
 
 // Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
 // tiles of equal size, at most kTile. Chunking keeps the rows' levels (K bytes a row)
-// in L2 while every panel reads them: unchunked, a 2048-row prefill of the K = 1536
-// down projection read its 3 MB of levels from L3 once per panel half and ran at
-// 1.13x oneDNN's fp32 time, against 0.58x at 512 rows.
+// in L2 while every panel reads them: unchunked, a long prefill's levels (K bytes a row,
+// megabytes in all) would come from L3 once per panel half.
 constexpr int64_t kRowChunk = 256;
 
 template <typename W, typename Tile>

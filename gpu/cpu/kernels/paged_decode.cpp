@@ -259,7 +259,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 
 // float32 lanes of the vector paths this library was built with: 16 (AVX-512), 8 (AVX2 with
 // FMA) or 1 (portable loops only). Callers pick thresholds by it, and skip kernels whose
-// portable loops lose to torch's own (gpu/cpu_linear.py).
+// portable loops lose to torch's own (gpu/cpu/linear.py).
 int64_t vector_width() {
 #if defined(__AVX512F__)
   return 16;

@@ -12,13 +12,10 @@
 // kTile (12), each read in place (row stride xs):
 //   - up to kPerBlockMaxRows (4) x rows: the levels q (not yet scaled) are multiplied
 //     into the rows, and the scales are applied once per block. At so few rows the
-//     kernel is bound by the instructions that widen the weights, not by memory (one
-//     row, in cache, ran at ~9.5 GB/s a thread, from memory ~6, where a plain sum
-//     reads ~11); this drops the per-weight scaling, 4 of 12 such instructions per 64
-//     weights for Q4_1. Against widening in registers (paired rounds): Q4_1 0.91-0.95x
-//     at 1-3 rows, 0.98x at 4; the Q8_0 head 0.89-0.95x at 1-4; a whole decode step
-//     0.94x at 1 row, 0.97x at 2. At 5-6 rows it was level, and tiles of up to 6 rows
-//     this way (their block sums take twice the registers) were 1.07-1.19x at 8-24;
+//     kernel is bound by the instructions that widen the weights, not by memory (a
+//     row reads slower than a plain sum would); this drops the per-weight scaling, 4
+//     of 12 such instructions per 64 weights for Q4_1. Past 4 rows the block sums take
+//     more registers than the saved instructions are worth;
 //   - up to kDirectMaxRows (24) x rows: per tile, each block is widened in registers and
 //     multiplied into the tile's rows (x[m][k] broadcast), never stored. A panel's
 //     weights (12-30 KB) stay in L1/L2 for its second tile;
@@ -28,10 +25,9 @@
 //     buffer in L1 and x's rows in L2.
 // Why the switch sits at 24 rows: widening a block again for each tile costs fewer
 // cycles than storing it to the buffer and loading it back, until the tiles' FMAs are
-// most of the work. Against the buffered path (SmolLM2's four Q4_1 layer shapes, 30
-// copies each, 2 threads, paired rounds): 0.86-0.94x at 13-20 rows, 0.90-0.99x at 24,
-// level at 26-32 (0.96-1.05x over four rounds), 1.05x at 40; the Q8_0 head 0.84-0.90x
-// at 13-24. Equal tiles (9 + 9 for 18 rows, not 12 + 6) are 0.97-0.98x at 13-30.
+// most of the work; the two paths cross near 24-32 rows for SmolLM2's shapes
+// (benchmarks/cpu_quant_linear_ab.py). Rows are split into tiles of equal size (9 + 9
+// for 18 rows, not 12 + 6), which keeps every tile's FMA chains equally long.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -273,7 +269,7 @@ void check_per_block(const at::Tensor& s, const at::Tensor& qweight, const char*
 }
 
 // x @ W.T in float32, for x of either dtype. bf16 x (a bf16 layer's calls of few rows:
-// gpu/cpu_linear.py) is widened on the way in, exactly, and the float32 sums are rounded
+// gpu/cpu/linear.py) is widened on the way in, exactly, and the float32 sums are rounded
 // to bf16 once on the way out (nearest even, as torch's `.to(torch.bfloat16)`): the same
 // values as `op(x.float()).to(torch.bfloat16)`, without the two Python-dispatched
 // conversions per call (~240 a one-row decode step of SmolLM2).

@@ -1,13 +1,11 @@
 // RMSNorm, the residual add joined to it, and SiLU-and-mul on CPU: one pass over each row.
 //
 // Why: in plain torch an RMSNorm is six ops (pow, mean, add, rsqrt, mul, mul, plus
-// casts) and the residual add one more; each op is a dispatch (~5-20 us) and a trip
-// through memory. At decode batch sizes the rows are tiny
-// (SmolLM2: 576 floats), so a step of 30 layers spent ~4 ms of a ~20 ms batch-1 token
-// on its 61 norms by torch's profiler (which inflates small ops). Here each is one loop
-// per row (measured at one thread: 3 us against 15 us at one row, 16 us against 47 us
-// at 64 rows). Both dtypes run vector loops (lanes.h): in bf16, scalar conversions had
-// made SiLU-and-mul 926 us a call at 64 rows (97 us now) and add+RMSNorm 129 us (23 us).
+// casts) and the residual add one more; each op is a dispatch and a trip through
+// memory. At decode batch sizes the rows are tiny (SmolLM2: 576 floats), so the
+// dispatches, not the arithmetic, are the norms' cost. Here each is one loop per row.
+// Both dtypes run vector loops (lanes.h): in bf16, scalar conversions would make these
+// loops several times slower than in float32.
 //
 // Semantics match models/ops.py (the reference): fp32 accumulation; in bf16 the
 // residual sum is rounded to bf16 before it is normalised, as torch's `residual + x`
@@ -36,7 +34,7 @@ inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // Rows per task: ~1M elements. Decode batches (and short prefills) stay on the calling
 // thread: on a shared host a parallel region can wait a whole time slice for a
-// descheduled thread (measured: +300 ms a step at 2 threads), for work of microseconds.
+// descheduled thread, for work of microseconds.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, (1 << 20) / width); }
 
 // Vector loops for both dtypes (lanes.h); the scalar loops finish each row's tail.
@@ -147,7 +145,7 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
 
 // SiLU(g) * u = g * u / (1 + exp(-g)), the exp of -|g| (never overflows) on 16 lanes
 // by hand: GCC would not vectorise this loop written plainly (the select around the
-// polynomial exp), and torch's two ops then beat it 2-10x. Both dtypes take the vector
+// polynomial exp), and torch's two ops then beat it. Both dtypes take the vector
 // path: the same operations in the same order as the scalar tail, so the same bits.
 template <typename T>
 void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t inter) {

@@ -1,6 +1,6 @@
 """A GGUF's blocks in the layout the C++ CPU kernels read, and the float32 weight they encode.
 
-`gpu/cpu_linear.py` keeps these per packed layer: the panels for calls of few rows, the
+`gpu/cpu/linear.py` keeps these per packed layer: the panels for calls of few rows, the
 dequantized weight to pack for oneDNN where nothing else holds it.
 """
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.cpu.capabilities import CpuCapabilities
 from models.gguf_blocks import BLOCK, QuantizedWeight
 
 PANEL = 32  # output rows per panel of the kernels' layout
@@ -55,9 +56,10 @@ class PanelBlocks:
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:
     """The float32 weight `q`'s blocks encode, bit for bit as `QuantizedWeight.dequantize`
     gives it: through the C++ kernels' one parallel pass where they are built
-    (`quant_dequantize.cpp`: 0.13x eager torch's time), else eager torch. A widened bf16
-    layer uses it where its checkpoint holds no float32 values (a bf16 conversion)."""
-    op = getattr(kernels, f"{q.format}_dequantize", None)
+    (`quant_dequantize.cpp`), else eager torch. A widened bf16 layer uses it where its
+    checkpoint holds no float32 values (a bf16 conversion). `kernels`: `CpuCapabilities`,
+    the library's ops, or None."""
+    op = CpuCapabilities.of(kernels).op(f"{q.format}_dequantize")
     if op is None:
         return q.dequantize()
     out = torch.empty(q.out_features, q.scales.shape[1] * BLOCK)

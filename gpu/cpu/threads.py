@@ -1,20 +1,19 @@
 """torch's CPU thread count, fitted to the cores the rest of the host leaves free.
 
-torch's CPU kernels run on OpenMP threads that spin at every barrier. On this 2-core
-machine (docs/robustness.md, `benchmarks/threads.py`), with the host otherwise idle, 2
-threads decode 1.8x faster than 1; beside one busy process, 2 threads decode 1.9x
-*slower* than 1 — each barrier waits for a thread the kernel has descheduled. No fixed
-number is right for a shared host, so by default the model thread asks, every few
+torch's CPU kernels run on OpenMP threads that spin at every barrier. With the host
+otherwise idle, more threads decode faster; beside a busy process, a thread per core
+decodes *slower* than fewer — each barrier waits for a thread the kernel has
+descheduled (`benchmarks/threads.py` measures both). No fixed number is right for a
+shared host, so by default the model thread asks, every few
 seconds, how much CPU everything else on the host used (/proc/stat, less this
 process's own /proc/self/stat), and runs on the cores left. `--torch-threads N` fixes
 the number instead. Off Linux (no /proc) it keeps torch's default.
 
-Only time the engine spent stepping counts. What the host did while the engine sat
-idle says little about the next steps: before a benchmark's first request its client
-starts up (imports, a tokenizer, prompts) on a core we were not using, and counting
-that dropped the first 2048-token prefill to one thread (4.7 s instead of 2.4 s, every
-shape of `benchmarks/run_peers.sh`). So the first step after an idle gap starts a
-fresh window instead of deciding on one that spans the gap.
+Only time the engine spent stepping counts. What the host did while the engine sat idle
+says little about the next steps: before a benchmark's first request its client starts
+up (imports, a tokenizer, prompts) on a core we were not using, and counting that would
+drop a benchmark's first long prefill to one thread. So the first step after an idle gap
+starts a fresh window instead of deciding on one that spans the gap.
 """
 
 from __future__ import annotations

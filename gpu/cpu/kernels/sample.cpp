@@ -2,8 +2,8 @@
 // in a few passes over its vocabulary, instead of a dozen torch ops over the batch.
 //
 // Why: in torch a sampled row costs a softmax, a float64 cumulative sum and, for top-k
-// or top-p, a `topk` or a full sort of the vocabulary (~2.3 ms a row at 49k entries);
-// at 16 rows of real SmolLM2 logits that was 3-11 ms of a ~40 ms decode step. Here a
+// or top-p, a `topk` or a full sort of the vocabulary, a sizeable share of a decode
+// step at a few dozen rows of a 49k vocabulary. Here a
 // row is one max, one exp pass (the weights kept in a scratch row) and one sum; top-k
 // collects the tokens above a floor (lowered until there are k) and selects among
 // those; top-p bisects the weights' values over a shrinking set of open tokens. None
@@ -456,7 +456,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   // Rows in parallel: a batch's rows are independent, and one row of a 50k vocabulary
-  // is ~10 us of work, so only several rows are worth a thread's wake-up.
+  // is microseconds of work, so only several rows are worth a thread's wake-up.
   auto rows = [&](const auto* x) {
     at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, V);

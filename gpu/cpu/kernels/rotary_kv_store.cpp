@@ -4,7 +4,7 @@
 // the rotated half, the add, and a cat to join q and k heads) and the store two
 // index_copy_ calls; at decode batch sizes each is mostly dispatch. Here each
 // token's q heads are rotated in place (q is a view into the fused qkv projection, as
-// on CUDA: gpu/kernels/rotary_kv_store.py), and its k heads rotated on their way into
+// on CUDA: gpu/triton/rotary_kv_store.py), and its k heads rotated on their way into
 // the pool beside its v heads.
 //
 // Rounding matches models/rope.py's `x * cos + rotate_half(x) * sin` op for op (two

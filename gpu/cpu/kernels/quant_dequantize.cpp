@@ -1,13 +1,12 @@
 // A GGUF weight's Q4_1 / Q8_0 blocks dequantized to float32 in one parallel pass.
 //
 // Why: a bf16 model on a CPU without bf16 arithmetic multiplies in float32
-// (gpu/cpu_linear.py, `PackedLinear.widen`), so the load dequantizes every quantized
+// (gpu/cpu/linear.py, `PackedLinear.widen`), so the load dequantizes every quantized
 // weight to hand oneDNN's reorder its float32 values. In eager torch that is five passes
 // over the weight (the nibbles split and joined, widened, scaled, offset), each writing
-// a fresh tensor: ~0.5 s of a 1.3-1.7 s bf16 load of SmolLM2 on the two-core AVX2 host.
-// Here each weight is read once and written once, into `out`: all of SmolLM2's blocks in
-// 0.08 s against eager torch's 0.60 (2 threads). Writing every layer into one reused
-// buffer instead of fresh tensors was no faster (0.09 s): the page faults are not the cost.
+// a fresh tensor, a large share of a widened model's load. Here each weight is read once
+// and written once, into `out`. (Writing every layer into one reused buffer instead of
+// fresh tensors gains nothing: the page faults are not the cost.)
 //
 // Input: the GGUF's row order, as models/gguf_blocks.py keeps it: Q4_1 qweight [N, K/2]
 // uint8 (per block of 32, byte j holds k = j in its low nibble and k = j + 16 in its

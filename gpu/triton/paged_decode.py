@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.decode_splits import (  # noqa: F401  (re-exported: the split API)
+from gpu.triton.decode_splits import (  # noqa: F401  (re-exported: the split API)
     HOPPER_NUM_SMS,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,

@@ -23,9 +23,9 @@ inline __m256i lanes8(int64_t n) {
 }
 
 // Loads and stores of a tile's outputs: plain where all 8 lanes exist (every panel but
-// a last partial one), masked otherwise. AMD's masked moves are microcoded (on this
-// Zen 3 a masked load and store took 5-7x a plain pair), and the buffered path moves its
-// accumulators once per chunk of k: plain ones made its 32-64 row calls 0.8-0.9x.
+// a last partial one), masked otherwise. Masked moves are microcoded on some AVX2 CPUs
+// (several times a plain pair), and the buffered path moves its accumulators once per
+// chunk of k, so the common case takes plain ones.
 inline __m256 load_out8(const float* p, int64_t n) {
   return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(n));
 }
@@ -37,10 +37,9 @@ inline void store_out8(float* p, int64_t n, __m256 v) {
 // The levels of a block kPrefetchBlocks ahead (the next panel's first ones near a panel's
 // end: panels lie one after another; past the last panel, addresses a prefetch may name
 // without faulting) asked into L1 before they are needed. At 1-4 rows the
-// kernel reads weights faster than the hardware prefetcher brings them in: the Q8_0 head
-// (49152 x 576, 1 KB of levels a block) took 0.66-0.89x the time with it at one row and
-// 0.63x at two (2 threads, from DRAM, alternating rounds; level at 8 and 4 blocks ahead
-// too), the Q4_1 shapes (512 bytes a block) 0.9-1.0x.
+// kernel reads weights faster than the hardware prefetcher brings them in, most of all
+// for the Q8_0 head's large blocks (1 KB of levels each); two blocks ahead is as good
+// as more (benchmarks/cpu_quant_linear_ab.py).
 constexpr int64_t kPrefetchBlocks = 2;
 template <typename W>
 inline void prefetch_levels(const void* levels) {
@@ -53,8 +52,7 @@ inline void prefetch_levels(const void* levels) {
 // k = j + 16 go to separate registers: 2 T C independent FMA chains (one would wait on
 // the FMA before it). Every loop over t and c is unrolled by pragma, so that GCC 12 turns
 // the [T][C] arrays into registers: without it the sums went to the stack and back on
-// every FMA (a store-to-load wait in each chain), and one row took 1.7x the time, three or
-// four rows 2.3x (docs/benchmarks.md, session 16).
+// every FMA (a store-to-load wait in each chain), and the kernel ran at about half speed.
 template <int T, int C, typename W>
 inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64_t xs,
                             const float* x_sums, int64_t ks, float* out, int64_t os,

@@ -3,7 +3,7 @@
 // AVX-512, a block's 32 x 32 levels or weights in registers (on AVX2: 8 outputs of them,
 // one 8-lane register per k).
 //
-// Layout: panels of kPanel = 32 output rows (gpu/cpu_linear.py repacks the GGUF's row
+// Layout: panels of kPanel = 32 output rows (gpu/cpu/linear.py repacks the GGUF's row
 // order at load; N is padded to whole panels with zero blocks). Per panel p and block
 // b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
 // output 32p + n in its low nibble and k = 32b + j + 16 in its high one (GGML's pairing,
@@ -18,8 +18,8 @@
 // matmul only by summation order. Q4_1 widens with one fused multiply-add all the same:
 // d and m are f16 values in a GGUF (11 significant bits), so d * q (q < 16) is exact in
 // fp32 and only the add rounds, in both. That holds only for f16 scales, so PanelBlocks
-// refuses others (gpu/cpu_linear.py). One instruction fewer per 16 weights: 0.86x the
-// time at one row with the weights in cache, 0.95x at 8. quant_linear.cpp's few-row path sums
+// refuses others (gpu/cpu/panel_blocks.py). One instruction fewer per 16 weights, where
+// few rows are bound by those instructions. quant_linear.cpp's few-row path sums
 // q * x per block and scales once, d * sum(q x) + m * sum(x): the same sum regrouped,
 // which rounds differently at the level of fp32's epsilon, as a change of summation
 // order does. With x = identity it still gives every weight bit for bit (d * q is
@@ -88,8 +88,7 @@ struct Q4_1 {
   // outputs 0-15 (0) and 16-31 (1). float(q) comes from a 16-entry table: vpermps reads
   // only the low 4 bits of each index, so the low nibble needs no mask, and the lookup
   // replaces the int-to-float convert. Two instructions fewer per 64 weights than
-  // mask-and-convert: 0.97-0.98x the time at 1-12 rows from memory, 0.89-0.95x with the
-  // weights in cache, level at 18.
+  // mask-and-convert, which counts where few rows are bound by the widening.
   static inline void levels(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
                             __m512& hi1) {
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

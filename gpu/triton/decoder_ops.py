@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu.kernels.rms_norm import add_rms_norm, rms_norm
-from gpu.kernels.silu_and_mul import silu_and_mul
+from gpu.triton.rms_norm import add_rms_norm, rms_norm
+from gpu.triton.silu_and_mul import silu_and_mul
 from models.ops import DecoderOps
 
 

@@ -64,9 +64,10 @@ ISAS = {16: "AVX-512", 8: "AVX2"}
 
 class KernelOps:
     """`torch.ops.ridgeline_cpu`, each op bound to its one overload on first use. Called
-    through the namespace, every call looks the overload up again in Python: 6.3 us for a
-    one-row SiLU-and-mul against 4.5 us through `.default` on the AVX2 host, and a one-row
-    decode step makes ~270 such calls. Missing ops raise AttributeError, as there."""
+    through the namespace, every call looks the overload up again in Python, a cost of
+    the same order as a one-row kernel's own, and a one-row decode step makes a few
+    hundred such calls. Missing ops raise AttributeError, as there. Which ops exist is
+    read once, into `gpu.cpu.capabilities.CpuCapabilities`."""
 
     def __init__(self, namespace):
         self.namespace = namespace
@@ -79,7 +80,7 @@ class KernelOps:
 
 def _loaded():
     """The loaded ops, once their vector paths are logged: on a CPU without AVX2 only the
-    portable loops are built, and some of them lose to torch's own (gpu/cpu_linear.py)."""
+    portable loops are built, and some of them lose to torch's own (gpu/cpu/routing.py)."""
     ops = KernelOps(torch.ops.ridgeline_cpu)
     width = ops.vector_width()
     log.info("C++ CPU kernels: %s", f"{ISAS[width]} ({width} float lanes)" if width in ISAS

@@ -1,0 +1,157 @@
+"""Which kernel multiplies a CPU linear layer's call: the policy, apart from the weights.
+
+`choose_route(shape, capabilities)` is pure: the same layer, rows and capabilities
+always give the same route. `PackedLinear` (`gpu/cpu/linear.py`) holds the weights each
+route it can take needs, and resolves its `RoutePlan` once at construction, so a call
+compares its rows with a few integers. `docs/cpu.md` has the table; the figures behind
+each threshold come from `benchmarks/cpu_quant_linear_ab.py` (one layer shape's kernels
+side by side, per row count) and `benchmarks/cpu_decode_ab.py` (whole steps).
+
+The routes, in the order a call tries them:
+- `blocks`: the GGUF's Q4_1/Q8_0 blocks through the exact C++ kernel
+  (`quant_linear.cpp`). Decode streams every weight once a step, and the blocks are
+  ~0.6 bytes a weight against 4 (fp32) or 2 (bf16), so for few rows they win. For more
+  rows the kernel's FMAs, not memory, bound it, and oneDNN's packed matmul wins.
+- `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
+  every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
+- `amx`: a bf16 model's Q4_1 blocks on the AMX tile unit (`quant_linear_amx.cpp`), for
+  a middle range of rows where the tile unit beats both the widened blocks (below) and
+  oneDNN's packed bf16 (above, where it runs at the same rate without the dequantizing).
+- `plain`: `F.linear` on the unpacked weight. oneDNN's packing pays for itself from a
+  few rows; for one to three rows the plain fp32 weight streams straight from memory.
+- `packed`: oneDNN's packed weight, in the model's dtype.
+- `widened`: oneDNN's packed float32 weight for a bf16 model on a CPU without bf16
+  arithmetic (oneDNN cannot pack bf16 there, and torch's bf16 matmul runs at a fraction
+  of fp32's rate): bf16 in, float32 products, the sum rounded to bf16 once.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from gpu.cpu.capabilities import CpuCapabilities
+
+# fp32: fewer rows than this run faster on the plain weight than on the packed one.
+PACKED_MIN_ROWS = 4
+# Calls multiplied in float32 (fp32 models, widened bf16 ones): up to this many rows per
+# format the blocks beat oneDNN's packed fp32, by the kernels' vector width (float
+# lanes). Portable builds never take the blocks: their plain loops lose to oneDNN at any
+# row count. The Q8_0 LM head crosses over earlier than the Q4_1 layers: its levels
+# take more bytes and more work to widen.
+QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}}
+# bf16 on a CPU with bf16 arithmetic: up to this many rows the blocks, multiplied in
+# float32 as a widened layer does, beat oneDNN's packed bf16, which streams the whole
+# bf16 weight whatever the rows. Only AVX-512 builds: an AVX2 CPU has no bf16
+# arithmetic, and there every bf16 layer is widened.
+BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
+# bf16 with AMX: Q4_1 calls of these many rows run on the tile unit, and the widened
+# blocks keep only the calls below; above, oneDNN's packed bf16 is as fast or faster.
+AMX_ROWS = {"q4_1": range(3, 65)}
+
+
+class Route(str, Enum):
+    BLOCKS = "blocks"
+    BLOCKS_INT8 = "blocks_int8"
+    AMX = "amx"
+    PLAIN = "plain"
+    PACKED = "packed"
+    WIDENED = "widened"
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """What routing needs of a layer: its weight's dtype, the format of the GGUF blocks
+    it holds (None: none, or they do not fit its weight), and whether int8 activations
+    were asked for."""
+
+    dtype: torch.dtype
+    blocks: str | None = None
+    int8_activations: bool = False
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One call: `rows` rows of x through `layer`."""
+
+    rows: int
+    layer: LinearLayer
+
+
+def quantized_max_rows(capabilities: CpuCapabilities,
+                       dtype: torch.dtype = torch.float32) -> dict[str, int] | None:
+    """Rows per format up to which the blocks beat oneDNN for layers that multiply in
+    `dtype` (None: never)."""
+    table = BF16_QUANTIZED_MAX_ROWS if dtype == torch.bfloat16 else QUANTIZED_MAX_ROWS
+    return table.get(capabilities.vector_width)
+
+
+def multiply_dtype(dtype: torch.dtype, capabilities: CpuCapabilities) -> torch.dtype:
+    """The dtype a `dtype` layer multiplies in: float32 for bf16 where oneDNN has no bf16
+    arithmetic (the layer is widened)."""
+    if dtype == torch.bfloat16 and capabilities.onednn_packing \
+            and not capabilities.bf16_arithmetic:
+        return torch.float32
+    return dtype
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """A layer's routes by rows, resolved once: calls of up to `blocks_max_rows` rows take
+    `blocks_route`, rows in `amx_rows` take AMX, fewer than `plain_below` rows the plain
+    weight, the rest oneDNN's packed weight (widened when `widen`)."""
+
+    blocks_max_rows: int = 0  # 0: no blocks; sys.maxsize: every call (int8)
+    blocks_route: Route = Route.BLOCKS
+    amx_rows: range | None = None
+    plain_below: int = 0
+    widen: bool = False
+
+    @property
+    def blocks(self) -> bool:
+        return self.blocks_max_rows > 0
+
+    @property
+    def packed(self) -> bool:
+        """Whether some call needs oneDNN's packed weight."""
+        return self.blocks_max_rows != sys.maxsize
+
+    def route(self, rows: int) -> Route:
+        if rows <= self.blocks_max_rows:
+            return self.blocks_route
+        if self.amx_rows is not None and rows in self.amx_rows:
+            return Route.AMX
+        if rows < self.plain_below:
+            return Route.PLAIN
+        return Route.WIDENED if self.widen else Route.PACKED
+
+
+def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
+    """The routes of every call `layer` can get on a CPU with `capabilities`."""
+    widen = layer.dtype == torch.bfloat16 \
+        and multiply_dtype(layer.dtype, capabilities) == torch.float32
+    compute = torch.float32 if widen else layer.dtype
+    fmt = layer.blocks
+    fmt_op = f"{fmt}_linear"
+    table = (quantized_max_rows(capabilities, compute)
+             if fmt is not None and capabilities.has(fmt_op) else None)
+    if not table:  # no blocks: the plain weight for few rows where it is fp32 or widened
+        plain = PACKED_MIN_ROWS if compute == torch.float32 else 0
+        return RoutePlan(plain_below=plain, widen=widen)
+    if layer.int8_activations and compute == torch.float32 \
+            and capabilities.has(f"{fmt_op}_int8"):
+        return RoutePlan(sys.maxsize, Route.BLOCKS_INT8, widen=widen)
+    most = table[fmt]
+    amx_rows = (AMX_ROWS.get(fmt) if capabilities.amx and compute == torch.bfloat16
+                and capabilities.has(f"{fmt_op}_amx") else None)
+    if amx_rows is not None:
+        most = min(most, amx_rows.start - 1)
+    return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen)
+
+
+def choose_route(shape: LinearShape, capabilities: CpuCapabilities) -> Route:
+    """The kernel that multiplies `shape.rows` rows through `shape.layer` on this CPU."""
+    return plan_routes(shape.layer, capabilities).route(shape.rows)

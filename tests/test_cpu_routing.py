@@ -1,0 +1,94 @@
+"""The routing of CPU linear calls (`gpu/cpu/routing.py`): representative shapes on
+representative CPUs, each with the kernel it must get. Pure: no kernels are built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpu.cpu.capabilities import OPS, CpuCapabilities
+from gpu.cpu.routing import LinearLayer, LinearShape, Route, choose_route, plan_routes
+
+F32, BF16 = torch.float32, torch.bfloat16
+WITH_AMX = frozenset(OPS)
+NO_AMX = WITH_AMX - {"q4_1_linear_amx"}
+
+# A Xeon with AMX; an AVX-512 CPU with AVX512-BF16 (Zen 4-like); an AVX-512 one without
+# bf16 arithmetic; an AVX2 one; a build with portable loops only; no C++ kernels at all.
+AMX = CpuCapabilities("avx512", amx=True, bf16_arithmetic=True, int8=True,
+                      onednn_packing=True, ops=WITH_AMX)
+AVX512_BF16 = CpuCapabilities("avx512", bf16_arithmetic=True, int8=True, onednn_packing=True,
+                              ops=NO_AMX)
+AVX512 = dataclasses.replace(AVX512_BF16, bf16_arithmetic=False)
+AVX2 = CpuCapabilities("avx2", int8=True, onednn_packing=True, ops=NO_AMX)
+PORTABLE = CpuCapabilities("portable", onednn_packing=True, ops=NO_AMX)
+NO_KERNELS = CpuCapabilities(bf16_arithmetic=True, onednn_packing=True)
+
+B, I8, AMX_, PLAIN, PACKED, WIDE = (Route.BLOCKS, Route.BLOCKS_INT8, Route.AMX, Route.PLAIN,
+                                    Route.PACKED, Route.WIDENED)
+
+# (capabilities, weight dtype, blocks' format, int8 activations, rows, route)
+TABLE = [
+    # fp32 with Q4_1 / Q8_0 blocks: the blocks up to a row count set by the vector width.
+    (AVX512_BF16, F32, "q4_1", False, 1, B),
+    (AVX512_BF16, F32, "q4_1", False, 192, B),
+    (AVX512_BF16, F32, "q4_1", False, 193, PACKED),
+    (AVX512_BF16, F32, "q8_0", False, 48, B),
+    (AVX512_BF16, F32, "q8_0", False, 49, PACKED),
+    (AMX, F32, "q4_1", False, 64, B),  # AMX serves bf16 models only
+    (AMX, F32, "q4_1", False, 2048, PACKED),
+    (AVX2, F32, "q4_1", False, 96, B),
+    (AVX2, F32, "q4_1", False, 97, PACKED),
+    (AVX2, F32, "q8_0", False, 32, B),
+    (AVX2, F32, "q8_0", False, 33, PACKED),
+    # Portable loops never take the blocks; without blocks, fp32's few rows go plain.
+    (PORTABLE, F32, "q4_1", False, 1, PLAIN),
+    (PORTABLE, F32, "q4_1", False, 4, PACKED),
+    (NO_KERNELS, F32, "q4_1", False, 3, PLAIN),
+    (AVX512_BF16, F32, None, False, 1, PLAIN),
+    (AVX512_BF16, F32, None, False, 3, PLAIN),
+    (AVX512_BF16, F32, None, False, 4, PACKED),
+    # int8 activations: the int8 kernels for every call.
+    (AVX512_BF16, F32, "q4_1", True, 1, I8),
+    (AVX512_BF16, F32, "q8_0", True, 4096, I8),
+    (AVX2, F32, "q4_1", True, 128, I8),
+    (PORTABLE, F32, "q4_1", True, 1, PLAIN),  # no blocks there, so no int8 either
+    (AVX512_BF16, F32, None, True, 64, PACKED),
+    # bf16 with bf16 arithmetic: the widened blocks for the fewest rows, then oneDNN's bf16.
+    (AVX512_BF16, BF16, "q4_1", False, 6, B),
+    (AVX512_BF16, BF16, "q4_1", False, 7, PACKED),
+    (AVX512_BF16, BF16, "q8_0", False, 1, B),
+    (AVX512_BF16, BF16, "q8_0", False, 2, PACKED),
+    (AVX512_BF16, BF16, None, False, 1, PACKED),
+    (AVX512_BF16, BF16, "q4_1", True, 1, B),  # int8 needs a float32 multiply
+    # ... and with AMX: the tile unit for Q4_1's middle rows.
+    (AMX, BF16, "q4_1", False, 2, B),
+    (AMX, BF16, "q4_1", False, 3, AMX_),
+    (AMX, BF16, "q4_1", False, 64, AMX_),
+    (AMX, BF16, "q4_1", False, 65, PACKED),
+    (AMX, BF16, "q8_0", False, 1, B),
+    (AMX, BF16, "q8_0", False, 3, PACKED),
+    # bf16 without bf16 arithmetic: widened, float32's thresholds.
+    (AVX2, BF16, "q4_1", False, 96, B),
+    (AVX2, BF16, "q4_1", False, 97, WIDE),
+    (AVX2, BF16, None, False, 3, PLAIN),
+    (AVX2, BF16, None, False, 4, WIDE),
+    (AVX512, BF16, "q4_1", False, 192, B),
+    (AVX512, BF16, "q8_0", False, 49, WIDE),
+]
+
+
+@pytest.mark.parametrize(("capabilities", "dtype", "blocks", "int8", "rows", "route"), TABLE)
+def test_route(capabilities, dtype, blocks, int8, rows, route):
+    shape = LinearShape(rows, LinearLayer(dtype, blocks, int8))
+    assert choose_route(shape, capabilities) == route
+
+
+def test_plan_holds_only_what_its_routes_need():
+    """Every call on the blocks (int8): no packed weight; otherwise one is kept."""
+    assert not plan_routes(LinearLayer(F32, "q4_1", True), AVX2).packed
+    assert plan_routes(LinearLayer(F32, "q4_1"), AVX2).packed
+    assert not plan_routes(LinearLayer(F32, None), AVX2).blocks
+    assert plan_routes(LinearLayer(BF16, "q4_1"), AMX).amx_rows is not None
