@@ -148,8 +148,8 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "never capture CUDA graphs")
     torch_threads: int | None = setting(
         None, "threads for torch's CPU kernels (default: every core the rest of the host "
-        "leaves free, re-checked every 2 s: on a busy 2-core host 2 spinning OpenMP "
-        "threads decode 2x slower than 1, on an idle one 1.8x faster)")
+        "leaves free, re-checked every 2 s, since OpenMP threads that spin beside a busy "
+        "process slow every step; docs/robustness.md)")
     attention_backend: str = setting("auto", "auto: Triton on CUDA; on CPU torch with a C++ paged "
                                      "decode kernel (built once, plain torch if it cannot "
                                      "be); torch: plain torch",

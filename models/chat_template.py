@@ -1,7 +1,7 @@
 """Chat templates rendered as transformers renders them, with jinja2 alone.
 
 `models/tokenizer_json.py` serves a model's tokenizer without importing transformers
-(1.3-1.8 s of a 2-core host's start); this is the other half of what the server asked
+(a large share of the server's start-up); this is the other half of what the server asked
 transformers for: the conversation as the model's template writes it. The rules are
 transformers 5's (`apply_chat_template` and `render_jinja_template`), restated for what
 a server passes (JSON-shaped messages, tools and documents), and tests hold the two

@@ -1,6 +1,6 @@
 """A model's tokenizer.json through the `tokenizers` library, without transformers.
 
-`import transformers` is 1.3-1.8 s of a 2-core host's start (it scans its ~560 model
+`import transformers` is a large share of the server's start-up (it scans its ~560 model
 folders for their exports and imports huggingface_hub); the tokenizer it then builds is,
 for the generic classes (`TokenizersBackend`, `PreTrainedTokenizerFast`), the
 tokenizer.json unchanged: the same Rust object, with the special tokens and the chat

@@ -269,18 +269,16 @@ def freeze_startup_heap() -> None:
     """Take everything alive after the model load out of the garbage collector's walks.
 
     A full (oldest-generation) collection visits every tracked object, and after the
-    load there are ~200k (torch, the server's libraries, the model's modules). On
-    this 2-core host each one took up to ~150 ms holding the GIL, so the event loop and
-    the model thread stopped together (docs/benchmarks.md, session 8). Frozen, they are
-    never visited again (reference counting still frees them). vLLM and SGLang freeze
-    their start-up heaps the same way. `ridgeline serve` only: it keeps one engine for the
-    life of the process, where a frozen cycle could never be collected. `cmd_serve`
-    turned collection off for the imports and the load (four or five full collections,
-    0.3-0.4 s of start-up here), and nothing collects before the freeze either: on the
-    embedded model that one collection took 0.24-0.4 s of a 2-core host's start and
-    found ~9,400 unreachable objects, all the imports' (tuples, cells, functions,
-    frames; no tensor), which stay frozen (about a megabyte). A load that left a tensor
-    in a cycle would keep it too: free large tensors by reference, never by cycle.
+    load there are ~200k (torch, the server's libraries, the model's modules); each such
+    walk holds the GIL, so the event loop and the model thread stop together for it.
+    Frozen, they are never visited again (reference counting still frees them). vLLM
+    and SGLang freeze their start-up heaps the same way. `ridgeline serve` only: it
+    keeps one engine for the life of the process, where a frozen cycle could never be
+    collected. `cmd_serve` turns collection off for the imports and the load, and
+    nothing collects before the freeze either: what the imports left unreachable
+    (tuples, cells, functions, frames; no tensor) stays frozen, about a megabyte. A
+    load that left a tensor in a cycle would keep it too: free large tensors by
+    reference, never by cycle.
     """
     started = time.perf_counter()
     gc.freeze()
