@@ -255,3 +255,29 @@ def test_reasoning_in_the_history_reaches_the_template(server):
         *USER, {"role": "assistant", "content": "x", "reasoning_content": "why"}]})
     assert r.status_code == 200, r.text
     assert server.engine.core.tokenizer.decode(r.json()["token_ids"]) == "[][why]"
+
+
+ANTHROPIC_NESTED = [
+    ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "foo": 1}]}]},
+     "messages.0.content.0.foo"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [{"type": "text", "text": "a",
+                                                              "foo": 1}]}]}]},
+     "messages.0.content.0.content.0.foo"),
+    ({"system": [{"type": "text", "text": "be brief", "foo": 1}]}, "system.0.foo"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "foo": 1}]}, "tools.0.foo"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "auto", "foo": 1}}, "tool_choice.foo"),
+    ({"thinking": {"type": "disabled", "foo": 1}}, "thinking.foo"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}, "foo": 1}}},
+     "output_config.format.foo"),
+]
+
+
+@pytest.mark.parametrize("fields,path", ANTHROPIC_NESTED, ids=[p for _, p in ANTHROPIC_NESTED])
+def test_an_unknown_nested_key_in_a_messages_body_is_a_400_naming_its_path(server, fields, path):
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = post(server, "/v1/messages", {**body, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"Unrecognized request argument supplied: {path}"
