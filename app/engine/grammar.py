@@ -5,10 +5,10 @@ choice among strings, an EBNF grammar, or an xgrammar structural tag for tool ca
 `GrammarService.compile` checks the spec's cheap bounds (`grammar_bounds.py`), then
 turns it into an xgrammar `CompiledGrammar` in a worker process (`grammar_pool.py`),
 bounded in time and memory and killed when every request waiting for it has left,
-through an LRU cache keyed by the canonical spec and bounded by the grammars' bytes: a
-request waits for its grammar without blocking others, and a bad or too costly spec is
-a 400 naming its field before anything is queued. The request then gets its own
-`GrammarMatcher`.
+through an LRU cache keyed by the spec (compact, in the client's key order) and
+bounded by the grammars' bytes: a request waits for its grammar without blocking
+others, and a bad or too costly spec is a 400 naming its field before anything is
+queued. The request then gets its own `GrammarMatcher`.
 
 Each step the core fills one bitmask row per constrained request (the tokens the
 grammar allows next) and hands it to the model thread on the request's sampling row;
@@ -65,8 +65,10 @@ class GrammarLimits:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What the output must match. `spec` is text: canonical JSON for `json` and
-    `structural_tag`, a JSON list for `choice`, the pattern or the EBNF otherwise.
+    """What the output must match. `spec` is text: compact JSON for `json` and
+    `structural_tag` (keys in the client's order: a schema's property order is the
+    output's, so two orders are two grammars), a JSON list for `choice`, the pattern or
+    the EBNF otherwise.
     `compiled` carries the compiled grammar from the server's compile to the engine,
     so an eviction from the cache in between costs nothing; it is not part of the key."""
 
@@ -81,7 +83,7 @@ class StructuredOutput:
             schema = parse_json(schema, "the schema")
         else:
             check_depth(schema, "the schema")
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json", json.dumps(schema, separators=(",", ":")))
 
 
 class GrammarService:

@@ -123,7 +123,7 @@ class _Reply:
             content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
         calls: list[dict] = []
         if self.tools and text:
-            text, calls = parse_tool_calls(text, self.parallel)
+            text, calls = parse_tool_calls(text, self.parallel, out.finish_reason == "length")
         uses = []
         for c in calls:
             name, arguments = c["function"]["name"], c["function"]["arguments"]
@@ -158,7 +158,7 @@ class _Reply:
             if tool_stream is not None:
                 text, calls = tool_stream.feed(text)
                 if out.finished:
-                    text += tool_stream.finish()
+                    text += tool_stream.finish(out.finish_reason == "length")
             if thought:
                 for event in blocks.delta("thinking", {"type": "thinking_delta",
                                                        "thinking": thought}):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from app.server.errors import APIError
 from app.server.protocol import Body
@@ -60,8 +60,20 @@ class MediaBlock(Body):
     type: Literal["image", "document", "search_result"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock,
-                  Field(discriminator="type")]
+def _block_kind(block: Any) -> str | None:
+    """The block's model, by its `type`. Tagged by class name, which an error's path
+    leaves out (`messages.0.content.0.foo`, not `...0.text.foo`: `text` is a key)."""
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
+            "thinking": "ThinkingBlock", "redacted_thinking": "ThinkingBlock", "image":
+            "MediaBlock", "document": "MediaBlock", "search_result": "MediaBlock"}.get(kind)
+
+
+Block = Annotated[Annotated[TextBlock, Tag("TextBlock")]
+                  | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
+                  | Annotated[ToolResultBlock, Tag("ToolResultBlock")]
+                  | Annotated[ThinkingBlock, Tag("ThinkingBlock")]
+                  | Annotated[MediaBlock, Tag("MediaBlock")], Discriminator(_block_kind)]
 
 
 class Message(Body):

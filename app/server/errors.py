@@ -51,7 +51,11 @@ def _is_union_tag(part: str) -> bool:
 
 
 def from_validation_error(e: ValidationError, prefix: str | None = None) -> APIError:
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # An unknown or refused key below a union (a content part, a named tool_choice) comes
+    # after the other members' type errors; it is the one that says what is wrong.
+    err = next((x for x in errors if x["type"] in ("extra_forbidden", "not_supported")),
+               errors[0])
     loc = [str(p) for p in err["loc"] if not _is_union_tag(str(p))]
     param = ".".join(([prefix] if prefix else []) + loc) or None
     value = repr(err.get("input"))

@@ -202,7 +202,7 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
                 if parsers[i] is not None:
                     text, calls = parsers[i].feed(text)
                     if out.finished:
-                        text += parsers[i].finish()
+                        text += parsers[i].finish(out.finish_reason == "length")
                 # As for completions, one event per step that made tokens; a tool parser
                 # holds text back on purpose, and then only what it lets out is sent.
                 tokens = parsers[i] is None and not thought and bool(out.delta_token_ids)
@@ -233,8 +233,8 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
             if req.include_reasoning:
                 message["reasoning_content"] = reasoning
         if tool_list and message["content"]:
-            message["content"], calls = parse_tool_calls(message["content"],
-                                                         req.parallel_tool_calls)
+            message["content"], calls = parse_tool_calls(
+                message["content"], req.parallel_tool_calls, o.finish_reason == "length")
             if calls:
                 message["tool_calls"] = calls
         choices.append({"index": i, "message": message,
@@ -271,7 +271,7 @@ async def _chat_prompt(request: Request, req: ChatCompletionRequest):
     native = template_supports_tools(engine(request).core.tokenizer, req.chat_template)
     messages, kwargs = await off_loop_if_large(request, lambda: render_tools(
         [m.template_dict() for m in req.messages], in_play, native))
-    kwargs |= req.chat_template_kwargs or {}
+    kwargs |= req.template_kwargs()
     if req.documents is not None:
         kwargs["documents"] = req.documents
     if req.chat_template is not None:

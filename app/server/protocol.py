@@ -57,7 +57,10 @@ ONLY_DEFAULT_COMMON = {"best_of": (None, 1), "return_hidden_states": (None, Fals
                        "guided_decoding_backend": (None, "auto", "xgrammar"),
                        "spaces_between_special_tokens": (None, True),
                        "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-                       "truncate_prompt_tokens": (None,), "reasoning_effort": (None,)}
+                       "truncate_prompt_tokens": (None,)}
+# OpenAI's reasoning efforts and vLLM's additions ("none", "xhigh", "max"): chat passes
+# them to the template (`ChatCompletionRequest.template_kwargs`).
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class StreamOptions(Body):
@@ -73,11 +76,23 @@ class JsonSchemaFormat(Body):
 
 
 class ResponseFormat(Body):
-    """OpenAI's `response_format` (and vLLM's `structural_tag` type)."""
+    """OpenAI's `response_format`, and vLLM's `structural_tag` type in both its forms:
+    xgrammar's `format`, or the older `structures` with `triggers`."""
 
-    model_config = ConfigDict(extra="allow", strict=True)  # structural_tag carries its own
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ResponseFormat:
+        own = {"json_schema": ("json_schema",),
+               "structural_tag": ("format", "structures", "triggers")}.get(self.type, ())
+        for name in ("json_schema", "format", "structures", "triggers"):
+            if getattr(self, name) is not None and name not in own:
+                raise ValueError(f"{name} is not a field of a {self.type!r} response_format")
+        return self
 
 
 class StructuredOutputsField(Body):
@@ -181,7 +196,8 @@ class _SamplingFields(Body):
 
 
 class CompletionRequest(_SamplingFields):
-    ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "suffix": (None,)}
+    # No chat template to take a reasoning effort: only "unset".
+    ONLY_DEFAULT = {**ONLY_DEFAULT_COMMON, "suffix": (None,), "reasoning_effort": (None,)}
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # 0 only with echo: score the prompt alone
@@ -199,38 +215,55 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(Body):
-    model_config = ConfigDict(extra="allow", strict=True)
+    """A text part (`cache_control`, which LiteLLM passes on, changes nothing here: the
+    prefix cache is automatic). A part of another type keeps only its `type`, for
+    `ChatMessage` to refuse it by name."""
+
+    IGNORED = frozenset({"cache_control"})
     type: str
     text: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_types_refused_by_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text" and "type" in data:
+            return {"type": data["type"]}
+        return data
 
 
 class FunctionCall(Body):
     """An assistant's call as OpenAI writes it; `arguments` is a JSON string (an object is
     accepted too, as templates take it)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     name: str
     arguments: str | dict[str, Any]
 
 
 class ToolCall(Body):
-    model_config = ConfigDict(extra="allow", strict=True)  # e.g. a streamed call's `index`
+    IGNORED = frozenset({"index"})  # a streamed call's position, echoed back by clients
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(Body):
-    """A message: the fields the server reads are typed, so a malformed one is a 400
-    naming its path (`messages.1.tool_calls.0.function`); other keys go to the chat
-    template as they are (JSON data only: `models/chat_template.py`)."""
+    """A message: every key is typed, so a malformed or unknown one is a 400 naming its
+    path (`messages.1.tool_calls.0.function`, `messages.0.foo`). Beside OpenAI's keys,
+    the earlier turns' reasoning under the names chat templates read it
+    (`reasoning_content`: Qwen3, GLM, DeepSeek; `reasoning`: vLLM's; `thinking`: gpt-oss)
+    goes to the template. OpenAI's response-only keys, which SDKs echo back at null,
+    are accepted there (`docs/api.md`)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    ONLY_DEFAULT = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
+                    "function_call": (None,)}
     role: str
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -289,6 +322,7 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: per request, with --trust-request-chat-template (app/server/body_checks.py)
     chat_template: str | None = Field(None, max_length=1 << 16)
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: REASONING_EFFORTS | None = None  # to the template, as vLLM passes it
     documents: list[dict[str, Any]] | None = None  # for templates that render them
     # With --reasoning-parser (`reasoning.py`): vLLM's include_reasoning, SGLang's
     # separate_reasoning and stream_reasoning.
@@ -309,6 +343,17 @@ class ChatCompletionRequest(_SamplingFields):
         if taken:
             raise ValueError(f"{taken[0]!r} cannot be set in chat_template_kwargs (it is a "
                              "request field or the server's own)")
+        return kwargs
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables, as vLLM sets them: `chat_template_kwargs`,
+        then `reasoning_effort` (the field wins over a key of the same name) and, unless
+        the client set it, `enable_thinking` (false only for effort "none") for templates
+        that switch thinking on and off with it (Qwen3's)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+            kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs
 
 

@@ -9,9 +9,11 @@ the same convention: an assistant's calls as `<tool_call>` blocks, a tool's resu
 
 Parsing (`--tool-call-parser hermes`, vLLM's name): `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>` blocks become `message.tool_calls` with ids, the rest
-stays `content`, and the finish reason becomes `tool_calls`. `ToolCallStream` does the
-same on a stream, as OpenAI streams it: the call's id and name first, then its
-arguments in pieces as they are generated.
+stays `content`, and the finish reason becomes `tool_calls` (`length` stays `length`).
+`ToolCallStream` does the same on a stream, as OpenAI streams a call (its id and name,
+then its arguments), once the call's block has closed: a call cut off by the token
+limit is neither a call nor content, streamed or not, and the arguments are the same
+text both ways.
 
 `tool_choice` "required" and a named function constrain the output with the tools'
 JSON schemas (xgrammar structural tags), so the arguments are valid whatever the model.
@@ -153,38 +155,52 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-    """Content and tool calls of a whole output. A block that is not a valid call stays
-    in the content, as text."""
-    calls: list[dict] = []
-    kept: list[str] = []
-    last = 0
-    for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        if not isinstance(name, str) or (calls and not parallel):
-            continue
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append(_call(name, args if isinstance(args, str) else json.dumps(args)))
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+def _block_call(inner: str) -> tuple[str, str] | None:
+    """The name and arguments (JSON text) of a closed block, or None if it is no call."""
+    try:
+        obj = json.loads(inner)
+        name, args = obj["name"], obj.get("arguments", {})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    return name, args if isinstance(args, str) else json.dumps(args)
+
+
+def parse(text: str, parallel: bool = True,
+          cut_off: bool = False) -> tuple[str | None, list[dict]]:
+    """Content and tool calls of a whole output (`cut_off`: it ended at the token limit):
+    the stream's parse of it in one piece, so that a streamed answer and a whole one
+    agree to the character."""
+    stream = ToolCallStream(parallel)
+    content, _ = stream.feed(text)
+    content += stream.finish(cut_off)
+    if stream.calls:
+        return content.strip() or None, stream.calls
+    return content, []
 
 
 class ToolCallStream:
-    """Streamed text in, content and tool-call deltas out (see the module docstring)."""
+    """Streamed text in, content and tool-call deltas out.
+
+    A call is only a call once its block is closed (`</tool_call>`) and holds a JSON
+    object with a string `name`: then it is sent, as OpenAI streams a call (its id and
+    name with empty arguments, then the arguments), in one step. A block cut off by the
+    token limit or the end of the output is neither a call nor content: no client sees
+    half a call (`{"city": "`) as a call or as text. A closed block that is not a call
+    is text; with `parallel` false, calls after the first are dropped. Text after
+    `<tool_call>` that does not start like a call (`{"name": ..., "arguments": ...`)
+    within 512 characters is text too."""
+
+    HEAD_LIMIT = 512  # characters after <tool_call> before a non-call is let out as text
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
         self.calls: list[dict] = []
         self._buf = ""
-        self._mode = "text"  # text → head → args → tail → text
-        self._depth = 0
-        self._in_string = self._escaped = False
+        self._mode = "text"  # text → head → block → text
+        self._searched = 0  # how much of a block's buffer holds no END
+        self._after_call = False  # newlines right after a call are not content
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self._buf += text
@@ -193,84 +209,59 @@ class ToolCallStream:
             step = getattr(self, f"_{self._mode}")()
             if step is None:
                 return content, deltas
-            text_out, delta = step
+            text_out, new = step
             content += text_out
-            if delta is not None:
-                deltas.append(delta)
+            deltas += new
 
     def _text(self):
+        if self._after_call:
+            self._buf = self._buf.lstrip("\n")
+            self._after_call = not self._buf
         i = self._buf.find(START)
         if i < 0:
             keep = next((k for k in range(min(len(START) - 1, len(self._buf)), 0, -1)
                          if START.startswith(self._buf[-k:])), 0)
             out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            return (out, None) if out else None
+            return (out, []) if out else None
         out, self._buf, self._mode = self._buf[:i], self._buf[i + len(START):], "head"
-        return out, None
+        self._searched = 0
+        return out, []
 
     def _head(self):
-        m = _HEAD.match(self._buf)
-        if m is None:
-            if END in self._buf or len(self._buf) > 512:  # not a call after all: text
-                out, self._buf, self._mode = START + self._buf, "", "text"
-                return out, None
+        """Right after <tool_call>: a call's start, or text after all."""
+        if _HEAD.match(self._buf) or END in self._buf:
+            self._mode = "block"
+            return "", []
+        stripped = self._buf.lstrip()
+        if (stripped and not stripped.startswith("{")) or len(self._buf) > self.HEAD_LIMIT:
+            out, self._buf, self._mode = START + self._buf, "", "text"
+            return out, []
+        return None
+
+    def _block(self):
+        """Held until the block closes; then a call, text, or (a call too many) nothing."""
+        i = self._buf.find(END, self._searched)
+        if i < 0:
+            self._searched = max(0, len(self._buf) - len(END) + 1)
             return None
-        self._buf, self._mode = self._buf[m.end():], "args"
+        inner, self._buf, self._mode = self._buf[:i], self._buf[i + len(END):], "text"
+        found = _block_call(inner.strip())
+        if found is None:
+            return START + inner + END, []
+        self._after_call = True
         if self.calls and not self.parallel:
-            self._mode = "skip"
-            return "", None
-        call = _call(json.loads(f'"{m.group(1)}"'), "")
+            return "", []
+        call = _call(*found)
         self.calls.append(call)
-        return "", {"index": len(self.calls) - 1, **call}
+        index = len(self.calls) - 1
+        return "", [{"index": index, **call, "function": {"name": found[0], "arguments": ""}},
+                    {"index": index, "function": {"arguments": found[1]}}]
 
-    def _args(self):
-        if not self._buf:
-            return None
-        end = self._scan()
-        piece, self._buf = self._buf[:end], self._buf[end:]
-        self.calls[-1]["function"]["arguments"] += piece
-        if self._depth == 0 and end > 0 and self._value_closed(piece):
-            self._mode = "tail"
-        return "", {"index": len(self.calls) - 1, "function": {"arguments": piece}}
-
-    def _scan(self) -> int:
-        """How much of the buffer belongs to the arguments object; updates the depth."""
-        for i, ch in enumerate(self._buf):
-            if self._in_string:
-                self._escaped = not self._escaped and ch == "\\"
-                if ch == '"' and not self._escaped:
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return len(self._buf)
-
-    @staticmethod
-    def _value_closed(piece: str) -> bool:
-        return piece.rstrip().endswith(("}", "]"))
-
-    def _tail(self):
-        i = self._buf.find(END)
-        if i < 0:
-            return None
-        self._buf, self._mode = self._buf[i + len(END):].lstrip("\n"), "text"
-        return "", None
-
-    def _skip(self):  # a second call when parallel calls are off: dropped
-        i = self._buf.find(END)
-        if i < 0:
-            self._buf = ""
-            return None
-        self._buf, self._mode = self._buf[i + len(END):], "text"
-        return "", None
-
-    def finish(self) -> str:
-        """Text still held back (a possible `<tool_call>` prefix that never completed)."""
-        out = self._buf if self._mode == "text" else ""
-        self._buf = ""
+    def finish(self, cut_off: bool = False) -> str:
+        """Text still held back: a possible `<tool_call>` prefix that never completed,
+        unless the output was `cut_off` by the token limit (then it is the start of a
+        call cut off: `3 <` at the end of an answer that stopped is text). An unclosed
+        block is dropped."""
+        out = self._buf if self._mode == "text" and not cut_off else ""
+        self._buf, self._mode = "", "text"
         return out
