@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app.engine.errors import InvalidParameter
-from models.tokenizer import apply_chat_template
+from models.tokenizer import NoTokenizer, apply_chat_template
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_THREADS = 2
@@ -47,8 +47,16 @@ class InputProcessor:
                 param, f"{param} is not valid Unicode: lone surrogate "
                 f"U+{ord(bad.group()):04X} at character {bad.start()}")
 
+    def need_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` when the server runs without a tokenizer."""
+        if isinstance(self.tokenizer, NoTokenizer):
+            raise InvalidParameter(param, f"{param} needs a tokenizer, and this server runs "
+                                   "with --skip-tokenizer-init: send token ids instead (a "
+                                   "prompt of ids, or /generate's input_ids)")
+
     async def tokenize(self, text: str, param: str = "prompt",
                        add_special_tokens: bool = True) -> list[int]:
+        self.need_tokenizer(param)
         self.check_text(text, param)
         return await self._run(self._encode, text, add_special_tokens)
 
@@ -56,6 +64,7 @@ class InputProcessor:
                                   add_generation_prompt: bool = True,
                                   param: str = "messages", **template_kwargs: Any) -> list[int]:
         """The conversation's token ids; a template that cannot render it is a 400."""
+        self.need_tokenizer(param)
         total = 0
         for i, m in enumerate(messages):
             content = m.get("content")
@@ -70,7 +79,8 @@ class InputProcessor:
         except Exception as e:  # the template's own checks (roles, order) are the input's
             raise InvalidParameter(param, f"cannot apply the chat template: {e}") from e
 
-    async def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
+        self.need_tokenizer(param)
         return await self._run(self.tokenizer.decode, token_ids)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
