@@ -59,6 +59,11 @@ def test_skip_tokenizer_init_serves_token_ids_and_refuses_text(bare_dir):
              "messages"),
             ("/generate", {"text": "Hello"}, "text"),
             ("/tokenize", {"prompt": "Hello"}, "prompt"),
+            # what is matched or built in text cannot be honoured without one either
+            ("/v1/completions", {"prompt": ids, "stop": ["a"]}, "stop"),
+            ("/v1/completions", {"prompt": ids, "echo": True}, "echo"),
+            ("/v1/completions", {"prompt": ids, "response_format": {"type": "json_object"}},
+             "response_format"),
         ]
         for path, body, param in refused:
             r = httpx.post(srv.url + path, json=body, timeout=60)

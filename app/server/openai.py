@@ -82,7 +82,7 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                         whole_answer=not req.stream)
     n = params.n
     rid = response_id("cmpl", call_id, req.request_id)
-    prompt_texts = [await inputs.detokenize(p) for p in prompts] if req.echo else None
+    prompt_texts = [await inputs.detokenize(p, "echo") for p in prompts] if req.echo else None
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,

@@ -91,5 +91,6 @@ async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
     if wanted is None:
         return None
     so, param = wanted
+    engine(request).inputs.need_tokenizer(param)  # a grammar is over the vocabulary's text
     await engine(request).core.grammars.compile(so, param)
     return so
