@@ -185,6 +185,12 @@ class EngineConfig:
                                              "for reuse (least recently used out first)")
     grammar_max_spec_bytes: int | str = setting(128 << 10, "largest grammar spec accepted "
                                                 "(a schema, regex, EBNF...; 400 beyond)")
+    tokenizer: str | None = setting(None, "load the tokenizer from this directory instead of "
+                                    "the model's")
+    skip_tokenizer_init: bool = setting(
+        False, "serve without a tokenizer: prompts as token ids only (/generate's input_ids, "
+        "/v1/completions' token-id prompts), outputs as token ids with empty text; routes "
+        "that need text (chat, text prompts, /tokenize) answer a 400")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -207,6 +213,9 @@ class EngineConfig:
         if self.int8_activations and not self.cpu_quantized_matmul:
             raise ValueError("int8_activations reads a GGUF's blocks: it needs "
                              "cpu_quantized_matmul")
+        if self.skip_tokenizer_init and (self.tokenizer or self.chat_template):
+            raise ValueError("skip_tokenizer_init loads no tokenizer: it cannot take "
+                             "--tokenizer or --chat-template")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

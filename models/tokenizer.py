@@ -42,6 +42,24 @@ def load_tokenizer(model_dir: str | os.PathLike[str],
     return tokenizer
 
 
+class NoTokenizer:
+    """The stand-in for vLLM's `--skip-tokenizer-init`: a model directory served without
+    a tokenizer. It turns no text into ids and no ids into text (`decode` is "", so
+    outputs carry their token ids with empty text); the input processor refuses the
+    routes that need text with a 400 naming the flag."""
+
+    eos_token_id = bos_token_id = pad_token_id = chat_template = None
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, token_ids: Sequence[int], **kwargs: Any) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        return "" if isinstance(ids, int) else ["" for _ in ids]
+
+
 def transformers_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerBase:
     """transformers' own object, for libraries that take nothing else (xgrammar)."""
     return tokenizer.hf() if isinstance(tokenizer, TokenizerJson) else tokenizer

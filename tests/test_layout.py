@@ -8,6 +8,7 @@ so a lazy import cannot slip a forbidden dependency past them.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -160,14 +161,18 @@ def test_no_file_over_the_size_limit():
 
 
 CHECK_LIGHT = """
-import sys
+import json, sys
+from pathlib import Path
 import app.client
 from app.cli import main
-try:
-    main(["bench", "serve", "--help"])
-except SystemExit as e:
-    assert e.code == 0, e.code
-heavy = sorted(m for m in ("torch", "transformers", "triton", "starlette", "structlog")
+url, out = sys.argv[1], Path(sys.argv[2])
+code = main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--input-len", "16",
+             "--output-len", "4", "--ignore-eos", "--max-concurrency", "2", "--no-plots",
+             "--result-dir", str(out), "--metrics-interval", "0.1"])
+assert code == 0, code
+r = json.loads((out / "serve.json").read_text())
+assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 16, r
+heavy = sorted(m for m in ("torch", "transformers", "triton", "starlette", "structlog", "tqdm")
                if m in sys.modules)
 assert not heavy, heavy
 try:
@@ -178,9 +183,11 @@ except ImportError:
 
 
 @pytest.mark.slow
-def test_base_install_is_the_client_without_torch(tmp_path):
-    """A fresh virtualenv with `pip install .` (no extra): the SDK and `bench serve` work,
-    and torch is neither installed nor imported."""
+def test_base_install_is_the_client_without_torch(tmp_path, tiny_dir):
+    """A fresh virtualenv with `pip install .` (no extra): the SDK and `bench serve` run a
+    real benchmark against a running server, and torch is neither installed nor imported."""
+    from tests.server_harness import ServerThread, tiny_config
+
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
@@ -189,12 +196,21 @@ def test_base_install_is_the_client_without_torch(tmp_path):
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(ROOT)],
                              capture_output=True, text=True, env=env, timeout=600)
     assert install.returncode == 0, install.stderr[-2000:]
-    run = subprocess.run([str(python), "-c", CHECK_LIGHT], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "usage: ridgeline bench serve" in run.stdout
-    assert run.stdout.rstrip().endswith("LIGHT-OK")
-    cli = subprocess.run([str(env_dir / "bin" / "ridgeline"), "bench", "serve", "--help"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert cli.returncode == 0 and "--request-rate" in cli.stdout, cli.stderr[-2000:]
+    srv = ServerThread(tiny_config(tiny_dir, max_num_seqs=4)).start()
+    try:
+        run = subprocess.run([str(python), "-c", CHECK_LIGHT, srv.url, str(tmp_path / "out")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+        assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+        assert "Successful requests" in run.stdout
+        assert run.stdout.rstrip().endswith("LIGHT-OK")
+        cli = subprocess.run([str(env_dir / "bin" / "ridgeline"), "bench", "serve",
+                              "--base-url", srv.url, "--num-prompts", "2", "--output-len", "3",
+                              "--no-plots", "--result-dir", str(tmp_path / "cli")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+        assert cli.returncode == 0, (cli.stdout[-2000:], cli.stderr[-2000:])
+        assert json.loads((tmp_path / "cli" / "serve.json").read_text())["completed"] == 2
+    finally:
+        srv.stop()
     assert sys.prefix != str(env_dir)

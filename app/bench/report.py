@@ -35,6 +35,7 @@ class RequestResult:
     # "timeout" (the client gave up), "disconnected" (left on purpose), "failed".
     outcome: str = ""
     streamed: bool = True  # False: the whole answer came at once (TTFT = E2E)
+    generated_text: str = ""
 
 
 def meets(r: RequestResult, slos: dict[str, float]) -> bool:

@@ -13,19 +13,27 @@ For overload soaks, Ridgeline's own flags mix in what real traffic does:
 early), `--request-timeout` (clients give up, and say so in `X-Request-Timeout`).
 The run then also reports the prefill the server spent on requests that got no
 answer (its prompt-token counter, less the prompts of completed requests).
+
+vLLM's other flags keep its meaning: `--num-warmups`, `--ready-check-timeout-sec`,
+`--ramp-up-strategy`, `--header`, `--extra-body`, `--request-id-prefix` (sent as
+`x-request-id`), `--logprobs`, `--profile` (vLLM's `/start_profile`, where a server
+has it), `--label`, `--metadata`, `--save-detailed`, `--append-result`
+(`result_file.py`). Each request's stream is opened with `async with`: a request the
+client leaves (a timeout, `--disconnect-fraction`) closes its connection at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import random
 import re
 import time
+import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 
+from app.bench.progress import Progress
 from app.bench.report import (
     METRIC_NAMES,
     RequestResult,
@@ -34,10 +42,12 @@ from app.bench.report import (
     plot,
     print_table,
 )
+from app.bench.result_file import key_values, result_path, write_result
 from app.bench.workload import (
     RequestSpec,
     TokenCounter,
     arrival_gaps,
+    check_ramp,
     load_tokenizer,
     prefix_repetition_requests,
     random_requests,
@@ -49,14 +59,18 @@ PROMPT_TOKENS = re.compile(r"^(?:ridgeline|vllm):prompt_tokens_total(?:\{[^}]*\}
 
 
 async def send(client: AsyncClient, a: argparse.Namespace, spec: RequestSpec, t0: float,
-               stream: bool = True, leave_after: float | None = None) -> RequestResult:
+               stream: bool = True, leave_after: float | None = None,
+               request_id: str | None = None) -> RequestResult:
     """One request; the client leaves after `leave_after` seconds if that is set."""
     r = RequestResult(prompt_len=spec.prompt_len, streamed=stream)
     st = time.perf_counter()
     r.start = st - t0
+    headers = dict(a.headers)
+    if request_id is not None:
+        headers["x-request-id"] = request_id  # vLLM's benchmark: the id wins over --header
     try:
         async with asyncio.timeout(leave_after if leave_after is not None else a.request_timeout):
-            await _exchange(client, a, spec, stream, r, st, t0)
+            await _exchange(client, a, spec, stream, r, st, t0, headers)
     except TimeoutError:
         r.success = False
         r.outcome, r.error = (("disconnected", "left on purpose") if leave_after is not None
@@ -69,7 +83,8 @@ async def send(client: AsyncClient, a: argparse.Namespace, spec: RequestSpec, t0
 
 
 async def _exchange(client: AsyncClient, a: argparse.Namespace, spec: RequestSpec,
-                    stream: bool, r: RequestResult, st: float, t0: float) -> None:
+                    stream: bool, r: RequestResult, st: float, t0: float,
+                    headers: dict[str, str]) -> None:
     extra: dict = {"temperature": a.temperature}
     for name in ("top_p", "top_k", "min_p"):
         if getattr(a, name) is not None:
@@ -77,32 +92,39 @@ async def _exchange(client: AsyncClient, a: argparse.Namespace, spec: RequestSpe
     if a.ignore_eos:
         extra["ignore_eos"] = True  # a vLLM/SGLang extension: plain OpenAI would refuse it
     chat = a.endpoint.endswith("chat/completions")
+    if not chat and a.logprobs is not None:
+        extra["logprobs"] = a.logprobs
+    extra |= a.extra_body or {}
     if chat:
         call = client.chat([{"role": "user", "content": spec.prompt}], model=a.model,
-                           max_tokens=spec.output_len, stream=stream, **extra)
+                           max_tokens=spec.output_len, stream=stream, headers=headers, **extra)
     else:
         call = client.completions(spec.prompt, model=a.model, max_tokens=spec.output_len,
-                                  stream=stream, **extra)
+                                  stream=stream, headers=headers, **extra)
     if not stream:
         done = await call
         r.latency = r.ttft = time.perf_counter() - st
         if done.usage is not None:
             r.output_tokens, r.prompt_len = done.usage.completion_tokens, done.usage.prompt_tokens
-        r.success = bool(done.text)
+        r.success, r.generated_text = bool(done.text), done.text
         r.outcome, r.error = ("", "") if r.success else ("failed", "no text received")
         return
-    last, chunks = st, 0
-    async for d in await call:
-        now = time.perf_counter()
-        if d.text:
-            if chunks == 0:
-                r.ttft = now - st
-            else:
-                r.itl.append(now - last)
-            last, chunks = now, chunks + 1
-            r.text_times.append(now - t0)
-        if d.usage is not None:
-            r.output_tokens, r.prompt_len = d.usage.completion_tokens, d.usage.prompt_tokens
+    last, chunks, texts = st, 0, []
+    async with call as deltas:
+        async for d in deltas:
+            now = time.perf_counter()
+            if d.text:
+                if chunks == 0:
+                    r.ttft = now - st
+                else:
+                    r.itl.append(now - last)
+                last, chunks = now, chunks + 1
+                r.text_times.append(now - t0)
+                texts.append(d.text)
+            if d.usage is not None:
+                r.output_tokens = d.usage.completion_tokens
+                r.prompt_len = d.usage.prompt_tokens
+    r.generated_text = "".join(texts)
     r.output_tokens = r.output_tokens or chunks
     r.latency, r.success = last - st, chunks > 0
     r.outcome, r.error = ("", "") if r.success else ("failed", "no text received")
@@ -129,9 +151,38 @@ async def _prompt_tokens(client: AsyncClient) -> float | None:
     return sum(map(float, values)) if values else None
 
 
-async def benchmark(a: argparse.Namespace) -> dict | None:
-    from tqdm import tqdm
+async def ready(client: AsyncClient, a: argparse.Namespace, test: RequestSpec
+                ) -> RequestResult:
+    """The test request; retried for `--ready-check-timeout-sec` while it fails, as vLLM's
+    ready check waits for a server still loading."""
+    deadline = time.monotonic() + a.ready_check_timeout_sec
+    while True:
+        r = await send(client, a, test, time.perf_counter())
+        if r.success or time.monotonic() >= deadline:
+            return r
+        await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
+
+async def warm_up(client: AsyncClient, a: argparse.Namespace, test: RequestSpec,
+                  gate: asyncio.Semaphore | None) -> None:
+    """vLLM's `--num-warmups`: the test request that many times, not measured."""
+    async def one() -> RequestResult:
+        async with gate or contextlib.nullcontext():
+            return await send(client, a, test, time.perf_counter())
+
+    results = await asyncio.gather(*(one() for _ in range(a.num_warmups)))
+    print(f"warm-up: {sum(r.success for r in results)} of {a.num_warmups} requests succeeded")
+
+
+async def _profiler(client: AsyncClient, path: str) -> None:
+    try:
+        await client.post_json(path, {})
+        print(f"{path}: done")
+    except ClientError as e:
+        print(f"{path}: the server refused ({e}); no profile")
+
+
+async def benchmark(a: argparse.Namespace) -> dict | None:
     timeout = a.request_timeout or 600.0
     async with AsyncClient(a.base_url, a.api_key, timeout=timeout, max_retries=0) as client:
         if a.model is None:
@@ -140,7 +191,8 @@ async def benchmark(a: argparse.Namespace) -> dict | None:
             except (ClientError, IndexError, KeyError) as e:
                 print(f"cannot list the server's models ({e}); pass --model")
                 return None
-        count = TokenCounter(client, a.model, load_tokenizer(a.tokenizer))
+        count = TokenCounter(client, a.model,
+                             load_tokenizer(a.tokenizer, a.trust_remote_code))
         if a.dataset_name == "sharegpt":
             if not a.dataset_path:
                 print("--dataset-name sharegpt needs --dataset-path")
@@ -158,25 +210,31 @@ async def benchmark(a: argparse.Namespace) -> dict | None:
         if not specs:
             print("no requests to send")
             return None
-        warm = await send(client, a, RequestSpec(specs[0].prompt, 0, min(4, a.output_len)),
-                          time.perf_counter())
+        test = RequestSpec(specs[0].prompt, 0, min(4, a.output_len))
+        warm = await ready(client, a, test)
         if not warm.success:
             print(f"the test request failed: {warm.error}")
             return None
+        gate = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+        if a.num_warmups > 0:
+            await warm_up(client, a, test, gate)
+        if a.profile:
+            await _profiler(client, "/start_profile")
         rng = random.Random(a.seed)
         plan = [(rng.random() < a.stream_fraction,
                  rng.uniform(0.2, 10.0) if rng.random() < a.disconnect_fraction else None)
                 for _ in specs]
-        gate = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
         in_flight, timeline = [0], {"t": [], "running_server": [], "in_flight_client": []}
-        bar = tqdm(total=len(specs), disable=a.disable_tqdm, desc="requests")
+        bar = Progress(len(specs), "requests", disable=a.disable_tqdm)
 
-        async def one(spec: RequestSpec, stream: bool, leave: float | None) -> RequestResult:
+        async def one(i: int, spec: RequestSpec, stream: bool,
+                      leave: float | None) -> RequestResult:
             if gate is not None:
                 await gate.acquire()
             in_flight[0] += 1
             try:
-                return await send(client, a, spec, t0, stream, leave)
+                return await send(client, a, spec, t0, stream, leave,
+                                  f"{a.request_id_prefix}{i}")
             finally:
                 in_flight[0] -= 1
                 bar.update(1)
@@ -188,15 +246,17 @@ async def benchmark(a: argparse.Namespace) -> dict | None:
         sampler = asyncio.create_task(sample_running(client, t0, a.metrics_interval, in_flight,
                                                      timeline))
         tasks = []
-        gaps = arrival_gaps(len(specs), a.request_rate, a.burstiness, a.seed)
-        for spec, (stream, leave), gap in zip(specs, plan, gaps):
-            tasks.append(asyncio.create_task(one(spec, stream, leave)))
+        gaps = arrival_gaps(len(specs), a.request_rate, a.burstiness, a.seed, a.ramp)
+        for i, (spec, (stream, leave), gap) in enumerate(zip(specs, plan, gaps)):
+            tasks.append(asyncio.create_task(one(i, spec, stream, leave)))
             if gap:
                 await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         sampler.cancel()
         bar.close()
+        if a.profile:
+            await _profiler(client, "/stop_profile")
         await asyncio.sleep(1.0)  # let the server count what it computed for the last ones
         prefill_after = await _prompt_tokens(client)
     metrics = compute_metrics(results, duration, parse_goodput(a.goodput), a.percentiles)
@@ -214,9 +274,17 @@ def run(a: argparse.Namespace) -> int:
         shown = tuple(m.strip() for m in a.percentile_metrics.split(","))
         if not set(shown) <= set(METRIC_NAMES):
             raise ValueError(f"--percentile-metrics: choose from {','.join(METRIC_NAMES)}")
+        a.headers = key_values(a.header, "--header")
+        metadata = key_values(a.metadata, "--metadata")
+        a.ramp = check_ramp(a.ramp_up_strategy, a.ramp_up_start_rps, a.ramp_up_end_rps,
+                            a.request_rate)
+        if a.extra_body is not None and not isinstance(a.extra_body, dict):
+            raise ValueError("--extra-body: expected a JSON object")
     except ValueError as e:
         print(e)
         return 2
+    if a.request_id_prefix is None:
+        a.request_id_prefix = f"bench-{uuid.uuid4().hex[:8]}-"
     if a.base_url is None:
         a.base_url = f"http://{a.host}:{a.port}"
     if a.served_model_name:
@@ -236,6 +304,9 @@ def run(a: argparse.Namespace) -> int:
         "ignore_eos": a.ignore_eos, "goodput_slos_ms": slos,
         "random_prefix_len": a.random_prefix_len, "stream_fraction": a.stream_fraction,
         "disconnect_fraction": a.disconnect_fraction, "request_timeout": a.request_timeout,
+        "label": a.label, **metadata,
+        **({"ramp_up_strategy": a.ramp_up_strategy, "ramp_up_start_rps": a.ramp_up_start_rps,
+            "ramp_up_end_rps": a.ramp_up_end_rps} if a.ramp else {}),
         **m,
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens for r in results],
@@ -245,11 +316,11 @@ def run(a: argparse.Namespace) -> int:
         "streamed": [r.streamed for r in results],
         "timeline": out["timeline"],
     }
-    result_dir = Path(a.result_dir)
-    result_dir.mkdir(parents=True, exist_ok=True)
-    path = result_dir / a.result_filename
-    stem = path.with_suffix("")
-    result["plots"] = [] if a.no_plots else plot(out, stem)
-    path.write_text(json.dumps(result, indent=1))
+    if a.save_detailed:
+        result["generated_texts"] = [r.generated_text for r in results]
+    path = result_path(a)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["plots"] = [] if a.no_plots else plot(out, path.with_suffix(""))
+    write_result(a, result, path)
     print(f"wrote {path}" + "".join(f", {p}" for p in result["plots"]))
     return 0 if m["completed"] else 1

@@ -8,6 +8,7 @@ Ridgeline had a name first it stays as an alias (`--input-len` beside
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
@@ -36,7 +37,33 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--tokenizer", default=None,
                    help="count prompt tokens locally with this HF tokenizer (needs the "
                    "engine extra); default: the server's /tokenize")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="let --tokenizer run the tokenizer code its directory ships "
+                   "(transformers' trust_remote_code); without --tokenizer nothing here "
+                   "loads a tokenizer, and the flag changes nothing")
     v.add_argument("--api-key", default=os.environ.get("RIDGELINE_API_KEY"))
+    v.add_argument("--header", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="headers sent with every request (a request's own x-request-id "
+                   "wins)")
+    v.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="a JSON object merged into every request body, e.g. "
+                   "'{\"chat_template_kwargs\": {\"enable_thinking\": false}}'")
+    v.add_argument("--request-id-prefix", default=None,
+                   help="each request is sent with x-request-id PREFIX + its index "
+                   "(default: bench-<8 random hex>-)")
+    v.add_argument("--logprobs", type=int, default=None,
+                   help="logprobs per token asked of /v1/completions (as vLLM's benchmark, "
+                   "not sent to chat)")
+    v.add_argument("--ready-check-timeout-sec", type=int, default=0,
+                   help="retry the first test request for up to this many seconds while the "
+                   "server is not ready yet; 0: one try")
+    v.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent (the test prompt, within --max-concurrency) before "
+                   "the measured run, and not counted")
+    v.add_argument("--profile", action="store_true",
+                   help="POST /start_profile before the run and /stop_profile after it, "
+                   "as vLLM's benchmark does; a server without them (Ridgeline has no "
+                   "profiler endpoints) answers 404 and the run goes on unprofiled")
     v.add_argument("--dataset-name", default="random",
                    choices=["random", "sharegpt", "prefix_repetition"])
     v.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON")
@@ -58,6 +85,11 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
                    help="requests/s (inf: all at once)")
     v.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of arrivals: 1 Poisson, <1 burstier")
+    v.add_argument("--ramp-up-strategy", choices=["linear", "exponential"], default=None,
+                   help="raise the request rate from --ramp-up-start-rps to "
+                   "--ramp-up-end-rps over the run (instead of --request-rate)")
+    v.add_argument("--ramp-up-start-rps", type=int, default=None)
+    v.add_argument("--ramp-up-end-rps", type=int, default=None)
     v.add_argument("--max-concurrency", type=int, default=None)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--ignore-eos", action="store_true")
@@ -81,8 +113,19 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--metrics-interval", type=float, default=0.5,
                    help="seconds between samples of the server's /metrics")
     v.add_argument("--result-dir", default="bench_results")
-    v.add_argument("--result-filename", default="serve.json")
+    v.add_argument("--result-filename", default=None,
+                   help="default: serve.json, or LABEL-serve.json with --label")
+    v.add_argument("--label", default=None,
+                   help="the run's label: in the result JSON and its file name's prefix")
+    v.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="written into the result JSON, for record keeping")
     v.add_argument("--save-result", action="store_true",
                    help="accepted for vLLM command lines: the result JSON is always written")
+    v.add_argument("--save-detailed", action="store_true",
+                   help="add each request's generated text to the result JSON (the other "
+                   "per-request lists, lengths, latencies, errors, are always written)")
+    v.add_argument("--append-result", action="store_true",
+                   help="append the result as one JSON line to the file instead of "
+                   "replacing it")
     v.add_argument("--no-plots", action="store_true")
     v.add_argument("--disable-tqdm", action="store_true")

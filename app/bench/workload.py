@@ -51,7 +51,7 @@ class TokenCounter:
         return max(1, round(len(text.split()) * TOKENS_PER_WORD))
 
 
-def load_tokenizer(name: str | None):
+def load_tokenizer(name: str | None, trust_remote_code: bool = False):
     """vLLM's `--tokenizer`: count tokens locally (needs transformers, the engine extra)."""
     if name is None:
         return None
@@ -60,7 +60,7 @@ def load_tokenizer(name: str | None):
     except ImportError as e:
         raise SystemExit("--tokenizer needs transformers: pip install 'ridgeline[engine]'"
                          ) from e
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
@@ -132,9 +132,38 @@ async def sharegpt_requests(path: str, n: int, seed: int, count: TokenCounter,
     return specs
 
 
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds between arrivals: gamma with mean 1/rate (Poisson at burstiness 1)."""
-    if rate == float("inf"):
-        return [0.0] * n
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int,
+                 ramp: tuple[str, float, float] | None = None) -> list[float]:
+    """Seconds between arrivals: gamma with mean 1/rate (Poisson at burstiness 1).
+
+    `ramp` is vLLM's `--ramp-up-strategy` with its start and end rates: request i of n
+    arrives at the rate reached at progress i / (n - 1), linearly or geometrically."""
     rng = random.Random(seed)
-    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+    gaps = []
+    for i in range(n):
+        r = rate
+        if ramp is not None:
+            strategy, start, end = ramp
+            progress = i / max(n - 1, 1)
+            r = (start + (end - start) * progress if strategy == "linear"
+                 else start * (end / start) ** progress)
+        gaps.append(0.0 if r == float("inf")
+                    else rng.gammavariate(burstiness, 1.0 / (r * burstiness)))
+    return gaps
+
+
+def check_ramp(strategy: str | None, start: int | None, end: int | None,
+               rate: float) -> tuple[str, float, float] | None:
+    """vLLM's rules for the ramp-up flags; a ValueError names the flag that breaks one."""
+    if strategy is None:
+        if start is not None or end is not None:
+            raise ValueError("--ramp-up-start-rps/--ramp-up-end-rps need --ramp-up-strategy")
+        return None
+    if rate != float("inf"):
+        raise ValueError("--ramp-up-strategy sets the rate: drop --request-rate")
+    if start is None or end is None:
+        raise ValueError("--ramp-up-strategy needs --ramp-up-start-rps and --ramp-up-end-rps")
+    if not 0 < start <= end:
+        raise ValueError(f"--ramp-up-start-rps {start} must be positive and at most "
+                         f"--ramp-up-end-rps {end}")
+    return strategy, float(start), float(end)

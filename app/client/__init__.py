@@ -11,6 +11,7 @@ from app.client.types import (
     APIStatusError,
     APIStreamError,
     APITimeoutError,
+    Call,
     ClientError,
     Completion,
     Delta,
@@ -19,5 +20,5 @@ from app.client.types import (
 )
 
 __all__ = ["APIConnectionError", "APIStatusError", "APIStreamError", "APITimeoutError",
-           "AsyncClient", "ClientError", "Completion", "Delta", "Stream", "Usage",
+           "AsyncClient", "Call", "ClientError", "Completion", "Delta", "Stream", "Usage",
            "parse_retry_after"]

@@ -8,14 +8,16 @@ twice once its stream has begun — a repeated generation is not idempotent.
 
     async with AsyncClient("http://127.0.0.1:8000") as client:
         done = await client.completions("Hello", max_tokens=8, temperature=0)
-        async for delta in await client.chat([{"role": "user", "content": "Hi"}],
-                                             stream=True):
-            print(delta.text, end="")
+        async with client.chat([{"role": "user", "content": "Hi"}], stream=True) as stream:
+            async for delta in stream:
+                print(delta.text, end="")
 
-A stream is a `Stream` of `Delta`s. Leaving it early (`break`, an exception,
-`aclose()`) closes its HTTP connection, which is how the server learns to
-abort. A stream that was dropped without `aclose()` is closed when it is
-garbage-collected; `async with` or `aclose()` makes that deterministic.
+A stream is a `Stream` of `Delta`s. Closing it closes its HTTP connection, which
+is how the server learns to abort. Open it with `async with` (as in the second
+example) and leaving the block, by `break`, `return` or an exception, closes it
+at once. A stream that was awaited instead stays open after a bare `break` for
+as long as the caller holds it; `aclose()` closes it, and so does its garbage
+collection once it is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from app.client.types import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
+    Call,
     Completion,
     GenerateParser,
     OpenAIParser,
@@ -122,12 +125,14 @@ class AsyncClient:
             delay = max(delay, retry_after)
         return delay * (1 + 0.25 * self._random.random())
 
-    async def _send(self, method: str, path: str, body: Any = None) -> aiohttp.ClientResponse:
+    async def _send(self, method: str, path: str, body: Any = None,
+                    headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """A response with a status below 400; the headers are read, the body is not."""
         session, attempt = self._get_session(), 0
         while True:
             try:
-                resp = await session.request(method, self.base_url + path, json=body)
+                resp = await session.request(method, self.base_url + path, json=body,
+                                             headers=headers)
             except aiohttp.SocketTimeoutError as e:  # sent, unanswered: it may be running
                 raise APITimeoutError(f"{method} {path}: no response within the timeout") from e
             except aiohttp.ClientConnectionError as e:  # no byte of a response yet
@@ -164,8 +169,9 @@ class AsyncClient:
             body = text
         return APIStatusError(resp.status, body, dict(resp.headers))
 
-    async def _json(self, method: str, path: str, body: Any = None) -> Any:
-        resp = await self._send(method, path, body)
+    async def _json(self, method: str, path: str, body: Any = None,
+                    headers: dict[str, str] | None = None) -> Any:
+        resp = await self._send(method, path, body, headers)
         try:
             return await resp.json(content_type=None)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
@@ -175,46 +181,57 @@ class AsyncClient:
         finally:
             resp.release()
 
-    async def _post(self, path: str, body: dict, stream: bool, parse: Parser) -> Any:
+    async def _post(self, path: str, body: dict, stream: bool, parse: Parser,
+                    headers: dict[str, str] | None = None) -> Any:
         if not stream:
-            return await self._json("POST", path, body)
-        return Stream(await self._send("POST", path, body), parse)
+            return await self._json("POST", path, body, headers)
+        return Stream(await self._send("POST", path, body, headers), parse)
 
     # -- endpoints ---------------------------------------------------------------------
 
-    async def completions(self, prompt: str | list, *, model: str | None = None,
-                          max_tokens: int | None = 16, stream: bool = False,
-                          **params: Any) -> Completion | Stream:
-        """POST /v1/completions; extra keyword arguments go into the body as they are."""
+    def completions(self, prompt: str | list, *, model: str | None = None,
+                    max_tokens: int | None = 16, stream: bool = False,
+                    headers: dict[str, str] | None = None, **params: Any) -> Call:
+        """POST /v1/completions; extra keyword arguments go into the body as they are,
+        `headers` onto the request. Await the `Call`, or enter it (`async with`)."""
         body = _body(params, model, stream, prompt=prompt, max_tokens=max_tokens)
-        out = await self._post("/v1/completions", body, stream, OpenAIParser(chat=False))
-        if stream:
-            return out
-        texts = [c.get("text", "") for c in out.get("choices", [])]
-        return _completion(out, texts)
+        return Call(self._openai("/v1/completions", body, stream, False, headers))
 
-    async def chat(self, messages: list[dict], *, model: str | None = None,
-                   max_tokens: int | None = None, stream: bool = False,
-                   **params: Any) -> Completion | Stream:
+    def chat(self, messages: list[dict], *, model: str | None = None,
+             max_tokens: int | None = None, stream: bool = False,
+             headers: dict[str, str] | None = None, **params: Any) -> Call:
         """POST /v1/chat/completions."""
         body = _body(params, model, stream, messages=messages, max_tokens=max_tokens)
-        out = await self._post("/v1/chat/completions", body, stream, OpenAIParser(chat=True))
+        return Call(self._openai("/v1/chat/completions", body, stream, True, headers))
+
+    async def _openai(self, path: str, body: dict, stream: bool, chat: bool,
+                      headers: dict[str, str] | None) -> Completion | Stream:
+        out = await self._post(path, body, stream, OpenAIParser(chat=chat), headers)
         if stream:
             return out
-        texts = [(c.get("message") or {}).get("content") or "" for c in out.get("choices", [])]
+        choices = out.get("choices", [])
+        texts = ([(c.get("message") or {}).get("content") or "" for c in choices] if chat
+                 else [c.get("text", "") for c in choices])
         return _completion(out, texts)
 
-    async def generate(self, text: str | None = None, *, input_ids: list[int] | None = None,
-                       sampling_params: dict | None = None, stream: bool = False,
-                       rid: str | None = None) -> Completion | Stream:
+    def generate(self, text: str | None = None, *, input_ids: list[int] | None = None,
+                 sampling_params: dict | None = None, stream: bool = False,
+                 rid: str | None = None) -> Call:
         """POST /generate (SGLang's native API)."""
         body = _given(text=text, input_ids=input_ids, rid=rid,
                       sampling_params=sampling_params or {}, stream=stream)
+        return Call(self._generate(body, stream))
+
+    async def _generate(self, body: dict, stream: bool) -> Completion | Stream:
         out = await self._post("/generate", body, stream, GenerateParser())
         if stream:
             return out
         (d,) = GenerateParser()(out)  # a whole result reads like one final event
         return Completion(d.text, d.finish_reason, d.usage, [d.text], out)
+
+    async def post_json(self, path: str, body: dict | None = None) -> Any:
+        """POST any JSON route (`/abort_request`, vLLM's `/start_profile`, ...)."""
+        return await self._json("POST", path, body or {})
 
     async def models(self) -> list[dict]:
         """GET /v1/models: the served models (`id`, `max_model_len`, ...)."""

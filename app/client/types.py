@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,3 +226,34 @@ class Stream:
                 self._resp.close()
         except Exception:
             pass
+
+
+class Call:
+    """What `completions`, `chat` and `generate` return: await it for the result (a
+    `Completion`, or a `Stream` when streaming), or enter it with `async with` for a
+    stream that is closed as the block is left, by a `break`, a `return` or an
+    exception, so that the server aborts the request at once:
+
+        async with client.chat(messages, stream=True) as stream:
+            async for delta in stream:
+                if enough(delta):
+                    break  # the block ends: the connection closes, the server aborts
+
+    An awaited stream left by a bare `break` stays open, with the request running on
+    the server, for as long as the caller holds it (`async for` does not close an
+    iterator it leaves); `aclose()` or the `async with` form closes it."""
+
+    def __init__(self, call: Awaitable[Completion | Stream]):
+        self._call = call
+        self._result: Completion | Stream | None = None
+
+    def __await__(self) -> Generator[Any, None, Completion | Stream]:
+        return self._call.__await__()
+
+    async def __aenter__(self) -> Completion | Stream:
+        self._result = await self._call
+        return self._result
+
+    async def __aexit__(self, *exc: object) -> None:
+        if isinstance(self._result, Stream):
+            await self._result.aclose()

@@ -41,7 +41,7 @@ from gpu.worker import StepFailed, Worker
 from models.config import ModelConfig
 from models.generation_config import GenerationDefaults, load_generation_defaults
 from models.resolve import resolve_model
-from models.tokenizer import FastDecoder, load_tokenizer
+from models.tokenizer import FastDecoder, NoTokenizer, load_tokenizer
 
 log = logging.getLogger("ridgeline.engine")
 
@@ -89,7 +89,9 @@ class EngineCore:
         self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.generation_defaults = _usable(load_generation_defaults(self.model_dir))
-        self.tokenizer = load_tokenizer(self.model_dir, config.chat_template)
+        self.tokenizer = (NoTokenizer() if config.skip_tokenizer_init else
+                          load_tokenizer(config.tokenizer or self.model_dir,
+                                         config.chat_template))
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         log.info("Model %s: %s; dtype %s (%s); context: the model allows %s, serving "
                  "max_model_len=%d", self.model_dir, self.model_config.describe(), dtype_name,

@@ -29,7 +29,7 @@ from typing import Any
 
 from app.engine.errors import EngineDead, InvalidParameter
 from app.engine.renderer import RenderFailed, RenderPool
-from models.tokenizer import chat_render_job, encode_rendered
+from models.tokenizer import NoTokenizer, chat_render_job, encode_rendered
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_THREADS = 2
@@ -63,8 +63,16 @@ class InputProcessor:
                 param, f"{param} is not valid Unicode: lone surrogate "
                 f"U+{ord(bad.group()):04X} at character {bad.start()}")
 
+    def need_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` when the server runs without a tokenizer."""
+        if isinstance(self.tokenizer, NoTokenizer):
+            raise InvalidParameter(param, f"{param} needs a tokenizer, and this server runs "
+                                   "with --skip-tokenizer-init: send token ids instead (a "
+                                   "prompt of ids, or /generate's input_ids)")
+
     async def tokenize(self, text: str, param: str = "prompt",
                        add_special_tokens: bool = True) -> list[int]:
+        self.need_tokenizer(param)
         self.check_text(text, param)
         return await self._run(self._encode, text, add_special_tokens)
 
@@ -74,6 +82,7 @@ class InputProcessor:
         """The conversation's token ids; a template that cannot render it, or not within
         its bounds, is a 400 naming `chat_template` when the request supplied the
         template, else `param`."""
+        self.need_tokenizer(param)
         total = 0
         for i, m in enumerate(messages):
             content = m.get("content")
@@ -96,7 +105,8 @@ class InputProcessor:
         self.check_text(text, param)
         return await self._run(encode_rendered, self.tokenizer, text)
 
-    async def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
+        self.need_tokenizer(param)
         return await self._run(self.tokenizer.decode, token_ids)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

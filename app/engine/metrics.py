@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from app.engine.outputs import RequestOutput, StepStats
 from app.engine.roofline import StepPosition
@@ -179,13 +180,22 @@ class Metrics:
             self._peak_bw.set(peaks.bandwidth)
             self._peak_flops.set(peaks.flops)
 
-    def render(self) -> bytes:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition and its content type, in the format the `Accept` header asks
+        for (OpenMetrics for a Prometheus that prefers it), negotiated by
+        prometheus_client's own `choose_encoder`, with one difference: an OpenMetrics
+        request that names no `escaping` gets `allow-utf-8`, not `underscores`. Our
+        names are valid classic names, which allow-utf-8 writes as they are, while
+        prometheus_client's underscores turn the colons of sample lines (not of their
+        `# TYPE` lines) into `_`: Prometheus 2's default Accept header would then
+        rename every `ridgeline:` series that dashboards query."""
         if self.block_report is not None:
             report = self.block_report()
             for kv_state in ("free", "cached", "used"):
                 self.kv_blocks.labels(self.model, ENGINE, kv_state).set(report[kv_state])
             self._consistent.set(int(report["consistent"]))
-        return generate_latest(self.registry)
+        encode, content_type = choose_encoder(_utf8_unless_told(accept))
+        return encode(self.registry), content_type
 
     def record_step(self, stats: StepStats, pos: StepPosition | None = None) -> None:
         self._running.set(stats.num_running)
@@ -259,3 +269,18 @@ class Metrics:
         """A request's n sequences have all ended (vLLM observes the parent request)."""
         self._req_n.observe(n)
         self._req_max_gen.observe(max_generation_tokens)
+
+
+def _utf8_unless_told(accept: str) -> str:
+    """`accept` with `escaping=allow-utf-8` (and `version=1.0.0`, without which
+    prometheus_client ignores the escaping) added to each OpenMetrics type lacking it."""
+    parts = []
+    for part in accept.split(","):
+        params = [p.strip() for p in part.split(";")]
+        if params[0] == "application/openmetrics-text":
+            if not any(p.startswith("version=") for p in params[1:]):
+                part += ";version=1.0.0"
+            if not any(p.startswith("escaping=") for p in params[1:]):
+                part += ";escaping=allow-utf-8"
+        parts.append(part)
+    return ",".join(parts)

@@ -178,8 +178,10 @@ async def plan(request: Request, body: None) -> JSONResponse:
 
 async def metrics(request: Request) -> Response:
     engine = state(request).engine
-    data = engine.metrics.render() if engine else b""
-    return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+    if engine is None:
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    data, content_type = engine.metrics.render(request.headers.get("accept", ""))
+    return Response(data, headers={"Content-Type": content_type})
 
 
 ROUTES = [

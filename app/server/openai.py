@@ -90,7 +90,7 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                         whole_answer=not req.stream)
     n = params.n
     rid = response_id("cmpl", call_id, req.request_id)
-    prompt_texts = [await inputs.detokenize(p) for p in prompts] if req.echo else None
+    prompt_texts = [await inputs.detokenize(p, "echo") for p in prompts] if req.echo else None
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -126,9 +126,12 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                     if req.logprobs is not None:
                         lp = completion_logprobs(tok, entries, offset[i])
                     offset[i] += len(text)
+                    so_far = ({"usage": usage(len(prompts[i // n]), n_out[i])}
+                              if req.continuous_usage else {})
                     yield chunk([{"index": i, "text": text, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None,
-                                  "stop_reason": out.stop_reason if out.finished else None}])
+                                  "stop_reason": out.stop_reason if out.finished else None}],
+                                **so_far)
             if req.include_usage:
                 yield chunk([], usage=usage(sum(map(len, prompts)), sum(n_out)))
         return sse(events())
@@ -186,10 +189,14 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
         outputs = await started(request, streams)
 
         async def events() -> AsyncIterator[dict]:
+            n_out = [0] * len(streams)
+
+            def so_far(i: int) -> dict:  # vLLM's continuous_usage_stats
+                return {"usage": usage(len(prompt), n_out[i])} if req.continuous_usage else {}
+
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}
-                         for i in range(len(streams))])
-            n_out = [0] * len(streams)
+                         for i in range(len(streams))], **so_far(0))
             parsers = [ToolCallStream(req.parallel_tool_calls) if tool_list else None
                        for _ in streams]
             reasoners = [ChoiceReasoning(parser, req.include_reasoning, req.stream_reasoning)
@@ -218,7 +225,8 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
                     yield chunk([{"index": i, "delta": delta, "logprobs": lp,
                                   "finish_reason": finish_reason(out, called)
                                   if out.finished else None,
-                                  "stop_reason": out.stop_reason if out.finished else None}])
+                                  "stop_reason": out.stop_reason if out.finished else None}],
+                                **so_far(i))
             if req.include_usage:
                 yield chunk([], usage=usage(len(prompt), sum(n_out)))
         return sse(events())

@@ -64,8 +64,12 @@ REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh",
 
 
 class StreamOptions(Body):
+    """`include_usage`: a last chunk with the request's usage (OpenAI). With it,
+    `continuous_usage_stats` (vLLM's) also puts the usage so far, of that chunk's
+    choice, in every chunk; without `include_usage` it adds nothing, as in vLLM."""
+
     include_usage: bool = False
-    ONLY_DEFAULT = {"continuous_usage_stats": (None, False)}
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(Body):
@@ -193,6 +197,11 @@ class _SamplingFields(Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: usage so far in every chunk (guidellm asks)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

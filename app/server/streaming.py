@@ -58,6 +58,8 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
     sane, like `x-request-id`) and the admin's abort: two clients may send the same."""
     st = state(request)
     n = params.n
+    if params.stop:
+        st.engine.inputs.need_tokenizer("stop")  # stop strings are matched in the text
     check_size(prompts, params, st.settings, st.engine.core.max_model_len)
     engine, slo = st.engine, request_slo(request, st.settings, whole_answer)
     streams: list[RequestStream] = []

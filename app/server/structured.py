@@ -103,6 +103,7 @@ async def compiled(request: Request, wanted: tuple[StructuredOutput, str] | None
     if wanted is None:
         return None
     so, param = wanted
+    engine(request).inputs.need_tokenizer(param)  # a grammar is over the vocabulary's text
     grammars = engine(request).core.grammars
     grammars.check(so, param)
     done = grammars.cached(so)
