@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from gpu.batch import SamplingRow
+from gpu.cpu.capabilities import CpuCapabilities
 
 
 @dataclass(eq=False)
@@ -47,11 +48,12 @@ class Folds(NamedTuple):
 
 
 class PenaltyCounts:
-    def __init__(self, device: torch.device, kernels=None):
-        """`kernels`: the C++ CPU kernels when built; their `apply_penalties_` then
-        penalizes the rows in one pass each (`penalize` is its reference)."""
+    def __init__(self, device: torch.device, capabilities: CpuCapabilities | None = None):
+        """`capabilities`: the CPU's, where the C++ kernels may serve; their op
+        `apply_penalties_`, when built, penalizes the rows in one pass each (`penalize`
+        is its reference)."""
         self.device = device
-        self.kernel = getattr(kernels, "apply_penalties_", None)
+        self.kernel = capabilities.op("apply_penalties_") if capabilities is not None else None
         self.counts: torch.Tensor | None = None  # [capacity, vocab] float32, made on first use
         self.in_prompt: torch.Tensor | None = None  # [capacity, vocab] bool, beside it
         self._free: list[int] = []

@@ -284,8 +284,7 @@ class ModelRunner:
                          for _ in range(self.config.num_layers)]
         self.v_caches = [zeroed_pool(shape, self.kv_dtype, self.device)
                          for _ in range(self.config.num_layers)]
-        self.sampler = Sampler(self.device, spec.seed,
-                               self.capabilities.kernels if self.capabilities else None)
+        self.sampler = Sampler(self.device, spec.seed, self.capabilities)
         # The engine's block tables, one persistent row per scheduled request.
         max_blocks = -(-spec.max_model_len // spec.block_size)
         self.tables = DeviceBlockTable(spec.max_num_seqs, max_blocks, self.device)

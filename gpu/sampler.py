@@ -33,10 +33,12 @@ The order of a step, each stage over the rows that need it:
 from __future__ import annotations
 
 import random
+from typing import Any, Generic, NamedTuple, TypeVar, get_type_hints
 
 import torch
 
 from gpu.batch import SamplingRow
+from gpu.cpu.capabilities import CpuCapabilities
 from gpu.penalties import PenaltyCounts
 from gpu.staging import Staging, to_host
 
@@ -46,6 +48,49 @@ LONG, FLOAT = torch.long, torch.float32
 UNIFORM_BITS = 53  # a double's mantissa: every uniform is exact in float64, and below 1
 
 Logprobs = tuple[float, list[tuple[int, float]]] | None
+
+Ints = TypeVar("Ints")  # list[int] on the host, an int64 tensor on the device
+Floats = TypeVar("Floats")  # list[float] on the host, a float32 tensor on the device
+
+
+class RowValues(NamedTuple, Generic[Ints, Floats]):
+    """Every per-row value a step's device work reads, by name: the host lists
+    (`HostValues`, built in `Sampler._stage_row_values` alone) and their device twins
+    (`StagedValues`: the same fields, arrived by one `Staging.stage` copy). Named fields
+    make a misspelt one an AttributeError that a type checker sees; a tuple, so staging
+    the values and naming the staged tensors costs one tuple. "(of sampled)": indices
+    among the sampled rows, not the batch's."""
+
+    lp: Ints  # rows that asked for logprobs
+    pen: Ints  # penalized rows
+    slots: Ints  # each penalized row's slot in the counts
+    fold_slots: Ints  # (slot, token) pairs to count once more
+    fold_tokens: Ints
+    mark_slots: Ints  # (slot, token) pairs of new slots' prompts to mark
+    mark_tokens: Ints
+    ban_rows: Ints  # (row, token) pairs to ban
+    ban_tokens: Ints
+    sampled: Ints  # rows that draw (the others take the argmax)
+    top_k_rows: Ints  # (of sampled) rows with a top-k
+    top_k: Ints  # their k
+    top_p_rows: Ints  # (of sampled) rows with a top-p and no top-k
+    uniform_bits: Ints  # each sampled row's draw
+    row_top_k: Ints  # each sampled row's top-k (0: none), for the kernel
+    repetition: Floats  # the penalized rows' penalties
+    presence: Floats
+    frequency: Floats
+    temperature: Floats  # each sampled row's
+    min_p: Floats
+    top_k_p: Floats  # the top-p of the `top_k_rows`
+    top_p: Floats  # the top-p of the `top_p_rows`
+    row_top_p: Floats  # each sampled row's top-p, for the kernel
+
+
+HostValues = RowValues[list[int], list[float]]
+StagedValues = RowValues[torch.Tensor, torch.Tensor]
+# Each field's device dtype, in field order, read from its annotation.
+_HINTS = get_type_hints(RowValues)
+_DTYPES = tuple(LONG if _HINTS[name] is Ints else FLOAT for name in RowValues._fields)
 
 
 def row_seed(seed: int, output_index: int) -> int:
@@ -121,19 +166,22 @@ def shape_logits(logits: torch.Tensor, rows: list[tuple[int, SamplingRow]],
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, kernels=None):
-        """`kernels`: the C++ CPU kernels (`torch.ops.ridgeline_cpu`) when built; their
-        `sample_rows` then draws the sampled rows, `argmax_rows` picks the greedy
-        ones, `apply_penalties_` penalizes and `apply_token_bitmask_` masks (the torch
-        paths are their references)."""
+    def __init__(self, device: torch.device, seed: int = 0,
+                 kernels: CpuCapabilities | Any = None):
+        """`kernels`: the runner's `CpuCapabilities` (or the built library's ops, as
+        `CpuCapabilities.of` takes them), None off CPU. Where it has them, the C++ ops
+        `sample_rows` draws the sampled rows, `argmax_rows` picks the greedy ones,
+        `apply_penalties_` penalizes and `apply_token_bitmask_` masks (the torch paths
+        are their references)."""
         self.device = device
-        self.sample_rows = getattr(kernels, "sample_rows", None)
-        self.apply_bitmask = getattr(kernels, "apply_token_bitmask_", None)
-        self.argmax_rows = getattr(kernels, "argmax_rows", None)
+        capabilities = CpuCapabilities() if kernels is None else CpuCapabilities.of(kernels)
+        self.sample_rows = capabilities.op("sample_rows")
+        self.apply_bitmask = capabilities.op("apply_token_bitmask_")
+        self.argmax_rows = capabilities.op("argmax_rows")
         # Unseeded rows draw from one stream owned by the model thread.
         self.rng = random.Random(seed)
         self.staging = Staging(device)
-        self.penalties = PenaltyCounts(device, kernels)
+        self.penalties = PenaltyCounts(device, capabilities)
         self._neg_inf = torch.tensor(float("-inf"), device=device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -153,32 +201,32 @@ class Sampler:
         logits = logits.float()  # a no-op for float32
 
         s_rows = [rows[i] for i in sampled]
-        dev, fields, progress = self._stage_row_values(rows, lp, pen, bans, sampled, vocab)
+        host, dev, progress = self._stage_row_values(rows, lp, pen, bans, sampled, vocab)
 
         # 1. Raw log-probabilities, before any adjustment.
         raw = None
         if lp:
-            raw = torch.log_softmax(logits if len(lp) == n else logits[dev["lp"]], dim=-1)
+            raw = torch.log_softmax(logits if len(lp) == n else logits[dev.lp], dim=-1)
         # 2. Adjustments that bind every row: a grammar's mask and logit_bias first.
         if pen or bans or shaped:
             logits = logits.clone()
         if shaped:
             shape_logits(logits, [(i, rows[i]) for i in shaped], self.apply_bitmask)
         if pen:
-            self.penalties.fold(dev["fold_slots"], dev["fold_tokens"], dev["mark_slots"],
-                                dev["mark_tokens"], progress)
-            self.penalties.apply_(logits, dev["pen"], dev["slots"], dev["repetition"],
-                                  dev["presence"], dev["frequency"])
+            self.penalties.fold(dev.fold_slots, dev.fold_tokens, dev.mark_slots,
+                                dev.mark_tokens, progress)
+            self.penalties.apply_(logits, dev.pen, dev.slots, dev.repetition, dev.presence,
+                                  dev.frequency)
         if bans:
-            logits.index_put_((dev["ban_rows"], dev["ban_tokens"]), self._neg_inf)
+            logits.index_put_((dev.ban_rows, dev.ban_tokens), self._neg_inf)
         # 3. Greedy rows take the argmax; sampled rows draw.
         if len(sampled) == n:
-            tokens = self._draw(logits, s_rows, dev, fields, vocab)
+            tokens = self._draw(logits, s_rows, host, dev, vocab)
         else:
             tokens = self._argmax(logits)
             if sampled:
-                drawn = self._draw(logits[dev["sampled"]], s_rows, dev, fields, vocab)
-                tokens.index_copy_(0, dev["sampled"], drawn)
+                drawn = self._draw(logits[dev.sampled], s_rows, host, dev, vocab)
+                tokens.index_copy_(0, dev.sampled, drawn)
         # 4. Logprobs, and the one wait.
         if raw is None:
             (host_tokens,) = to_host(tokens)
@@ -192,65 +240,64 @@ class Sampler:
         return logits.argmax(dim=-1)
 
     def _stage_row_values(self, rows: list[SamplingRow], lp: list[int], pen: list[int],
-                          bans: list[tuple[int, int]], sampled: list[int], vocab: int):
-        """Every per-row value the device needs, sent in one copy: (device tensors by name,
-        the host lists by name, the penalty progress to record once folded)."""
+                          bans: list[tuple[int, int]], sampled: list[int], vocab: int
+                          ) -> tuple[HostValues, StagedValues, list]:
+        """Every per-row value the device needs, sent in one copy: (the host values, their
+        device twins, the penalty progress to record once folded)."""
         folds = self.penalties.prepare([rows[i] for i in pen], vocab)
         s_rows = [rows[i] for i in sampled]
         top_k_rows = [j for j, r in enumerate(s_rows) if r.top_k > 0]
         top_p_rows = [j for j, r in enumerate(s_rows) if r.top_k <= 0 and r.top_p < 1]
-        fields = {
-            "lp": lp, "pen": pen, "slots": folds.slots, "fold_slots": folds.fold_slots,
-            "fold_tokens": folds.fold_tokens, "mark_slots": folds.mark_slots,
-            "mark_tokens": folds.mark_tokens, "ban_rows": [i for i, _ in bans],
-            "ban_tokens": [t for _, t in bans], "sampled": sampled,
-            "top_k_rows": top_k_rows, "top_k": [s_rows[j].top_k for j in top_k_rows],
-            "top_p_rows": top_p_rows,
-            "uniform_bits": [uniform_bits(self.rng, r) for r in s_rows],
-            "row_top_k": [r.top_k for r in s_rows],
-        }
-        floats = {
-            "repetition": [rows[i].repetition_penalty for i in pen],
-            "presence": [rows[i].presence_penalty for i in pen],
-            "frequency": [rows[i].frequency_penalty for i in pen],
-            "temperature": [r.temperature for r in s_rows],
-            "min_p": [r.min_p for r in s_rows],
-            "top_k_p": [s_rows[j].top_p for j in top_k_rows],
-            "top_p": [s_rows[j].top_p for j in top_p_rows],
-            "row_top_p": [r.top_p for r in s_rows],
-        }
-        staged = self.staging.stage(*[(v, LONG) for v in fields.values()],
-                                    *[(v, FLOAT) for v in floats.values()])
-        return dict(zip([*fields, *floats], staged)), fields, folds.progress
+        host: HostValues = RowValues(
+            lp=lp, pen=pen, slots=folds.slots, fold_slots=folds.fold_slots,
+            fold_tokens=folds.fold_tokens, mark_slots=folds.mark_slots,
+            mark_tokens=folds.mark_tokens, ban_rows=[i for i, _ in bans],
+            ban_tokens=[t for _, t in bans], sampled=sampled,
+            top_k_rows=top_k_rows, top_k=[s_rows[j].top_k for j in top_k_rows],
+            top_p_rows=top_p_rows,
+            uniform_bits=[uniform_bits(self.rng, r) for r in s_rows],
+            row_top_k=[r.top_k for r in s_rows],
+            repetition=[rows[i].repetition_penalty for i in pen],
+            presence=[rows[i].presence_penalty for i in pen],
+            frequency=[rows[i].frequency_penalty for i in pen],
+            temperature=[r.temperature for r in s_rows],
+            min_p=[r.min_p for r in s_rows],
+            top_k_p=[s_rows[j].top_p for j in top_k_rows],
+            top_p=[s_rows[j].top_p for j in top_p_rows],
+            row_top_p=[r.top_p for r in s_rows],
+        )
+        staged: StagedValues = RowValues(*self.staging.stage(*zip(host, _DTYPES)))
+        return host, staged, folds.progress
 
-    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], dev: dict,
-              fields: dict, vocab: int) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], host: HostValues,
+              dev: StagedValues, vocab: int) -> torch.Tensor:
         if self.sample_rows is not None and logits.dtype == FLOAT and logits.stride(-1) == 1:
-            return self.sample_rows(logits, dev["temperature"], dev["row_top_k"],
-                                    dev["row_top_p"], dev["min_p"], dev["uniform_bits"])
-        probs = torch.softmax(logits / dev["temperature"][:, None], dim=-1)
-        for name, k in (("top_k_rows", dev["top_k"]), ("top_p_rows", None)):
-            chosen = fields[name]
+            return self.sample_rows(logits, dev.temperature, dev.row_top_k, dev.row_top_p,
+                                    dev.min_p, dev.uniform_bits)
+        probs = torch.softmax(logits / dev.temperature[:, None], dim=-1)
+        # (rows, their device indices, k, p, most tokens kept): top-k rows, then top-p alone.
+        cuts = ((host.top_k_rows, dev.top_k_rows, dev.top_k, dev.top_k_p,
+                 max(host.top_k, default=vocab)),
+                (host.top_p_rows, dev.top_p_rows, None, dev.top_p, vocab))
+        for chosen, at, k, p, k_max in cuts:
             if not chosen:
                 continue
-            p = dev["top_k_p" if k is not None else "top_p"]
-            k_max = max(fields["top_k"]) if k is not None else vocab
             every = len(chosen) == len(rows)
-            sub = probs if every else probs[dev[name]]
+            sub = probs if every else probs[at]
             sub = sub.masked_fill(~keep_top(sub, k, p, min(k_max, vocab)), 0.0)
             if every:
                 probs = sub
             else:
-                probs[dev[name]] = sub
+                probs[at] = sub
         if any(r.min_p > 0 for r in rows):  # relative to the most likely token left
-            floor = dev["min_p"][:, None] * probs.amax(dim=-1, keepdim=True)
+            floor = dev.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        return inverse_transform(probs, dev["uniform_bits"])
+        return inverse_transform(probs, dev.uniform_bits)
 
     @staticmethod
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
-                       lp: list[int], dev: dict) -> tuple[list[int], list[Logprobs]]:
-        picked = tokens if len(lp) == len(rows) else tokens[dev["lp"]]
+                       lp: list[int], dev: StagedValues) -> tuple[list[int], list[Logprobs]]:
+        picked = tokens if len(lp) == len(rows) else tokens[dev.lp]
         chosen = raw.gather(1, picked[:, None])[:, 0]
         k_max = max(rows[i].logprobs for i in lp)
         if k_max:

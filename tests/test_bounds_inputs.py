@@ -203,7 +203,7 @@ def test_the_sampler_stays_finite_and_meaningful_at_every_edge():
     presence and frequency penalties, the largest bias, the smallest temperature that
     samples and the largest. A repeated token then outweighs every other, so it is drawn:
     not NaN's token 0, not noise. Past the floor (1e-300, 0 in float32) it was token 0."""
-    from gpu.kernels.cpu.build import cpu_kernels
+    from gpu.cpu.kernels.build import cpu_kernels
 
     torch.manual_seed(0)
     vocab = 1000

@@ -161,7 +161,7 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
         const __m512 x = load(g + i);
         const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 minus_abs = _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x);
-        const __m512 e = exp_nonpositive16(minus_abs);  // exp(-|x|)
+        const __m512 e = exp_nonpositive(minus_abs);  // exp(-|x|)
         const __m512 num = _mm512_mask_blend_ps(neg, one, e);  // x < 0: e, else 1
         const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
         store(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), load(u + i)));
@@ -172,7 +172,7 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
         const __m256 x = load(g + i);
         const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
         const __m256 minus_abs = _mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg);
-        const __m256 e = exp_nonpositive8(minus_abs);  // exp(-|x|)
+        const __m256 e = exp_nonpositive(minus_abs);  // exp(-|x|)
         const __m256 num = _mm256_blendv_ps(one, e, neg);  // x < 0: e, else 1
         const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
         store(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load(u + i)));

@@ -11,8 +11,10 @@
 //
 // Two layers: loads and stores named by width (load16 / store16, load8 / store8), which
 // the attention kernels mix with their own intrinsics, and over them `Vec` with `kLanes`,
-// `load`, `store`, `rounded<T>` and a little arithmetic, the build's widest vector, for
-// loops written once for both widths (defined where LANES_VECTORS is).
+// `load`, `store`, `rounded<T>`, a little arithmetic and the horizontal sum and max, the
+// build's widest vector, for loops written once for both widths (defined where
+// LANES_VECTORS is). Each helper is the one intrinsic (or reduce.h's sequence) a loop
+// written for one width would call, so such a loop computes the same bits.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -93,14 +95,24 @@ template <typename T> inline Vec load(const T* p) { return load16(p); }
 template <typename T> inline void store(T* p, Vec v) { store16(p, v); }
 template <typename T> inline Vec rounded(Vec v) { return round16<T>(v); }
 inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec floor(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+// 2^n for lanes holding whole numbers n in [-126, 127]: n + 127 put in the exponent bits.
+inline Vec pow2(Vec n) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, once rounded
 inline Vec neg(Vec a) {  // the sign flipped, zeros too (0 - a would give +0 for +0)
   const __m512i sign = _mm512_set1_epi32(INT32_MIN);
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), sign));
 }
 inline float sum_lanes(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float max_lanes(Vec v) { return _mm512_reduce_max_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -108,11 +120,20 @@ template <typename T> inline Vec load(const T* p) { return load8(p); }
 template <typename T> inline void store(T* p, Vec v) { store8(p, v); }
 template <typename T> inline Vec rounded(Vec v) { return round8<T>(v); }
 inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec floor(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline Vec pow2(Vec n) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec neg(Vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline float sum_lanes(Vec v) { return reduce_add8(v); }
+inline float max_lanes(Vec v) { return reduce_max8(v); }
 #endif
 
 }  // namespace lanes

@@ -50,38 +50,23 @@ void softmax_rows(float* scores, int64_t rows, int64_t len, float* sums) {
     float* s = scores + g * len;
     float m = s[0], sum = 0.f;
     int64_t t = 0;
-#ifdef __AVX512F__
-    const int64_t whole = len - len % 16;
+#ifdef LANES_VECTORS
+    using lanes::kLanes, lanes::load, lanes::Vec;
+    const int64_t whole = len - len % kLanes;
     if (whole > 0) {
-      __m512 mv = _mm512_loadu_ps(s);
-      for (t = 16; t < whole; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
-      m = _mm512_reduce_max_ps(mv);
+      Vec mv = load(s);
+      for (t = kLanes; t < whole; t += kLanes) mv = lanes::max(mv, load(s + t));
+      m = lanes::max_lanes(mv);
     }
     for (t = whole; t < len; ++t) m = std::max(m, s[t]);
-    const __m512 mb = _mm512_set1_ps(m);
-    __m512 sv = _mm512_setzero_ps();
-    for (t = 0; t < whole; t += 16) {
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
-      _mm512_storeu_ps(s + t, e);
-      sv = _mm512_add_ps(sv, e);
+    const Vec mb = lanes::splat(m);
+    Vec sv = lanes::zero();
+    for (t = 0; t < whole; t += kLanes) {
+      const Vec e = exp_nonpositive(lanes::sub(load(s + t), mb));
+      lanes::store(s + t, e);
+      sv = lanes::add(sv, e);
     }
-    sum = _mm512_reduce_add_ps(sv);
-#elif defined(__AVX2__) && defined(__FMA__)
-    const int64_t whole = len - len % 8;
-    if (whole > 0) {
-      __m256 mv = _mm256_loadu_ps(s);
-      for (t = 8; t < whole; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-      m = reduce_max8(mv);
-    }
-    for (t = whole; t < len; ++t) m = std::max(m, s[t]);
-    const __m256 mb = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    for (t = 0; t < whole; t += 8) {
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
-      _mm256_storeu_ps(s + t, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    sum = reduce_add8(sv);
+    sum = lanes::sum_lanes(sv);
 #else
     for (t = 1; t < len; ++t) m = std::max(m, s[t]);
     t = 0;
@@ -99,56 +84,30 @@ void scores_pass(const float* q, const T* k, const int32_t* table, int64_t first
                  int64_t block_size, int64_t G, int64_t D, float* scores, int64_t len) {
   for_each_run(k, D, table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
     const T* rows = k + slot * D;
-#ifdef __AVX512F__
-    if (D % 16 == 0) {
+#ifdef LANES_VECTORS
+    using lanes::fmadd, lanes::kLanes, lanes::load, lanes::Vec;
+    if (D % kLanes == 0) {
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         float* out = scores + g * len + at;
         int64_t t = 0;
         for (; t + 4 <= count; t += 4) {  // four keys per q load
-          __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          Vec a0 = lanes::zero(), a1 = a0, a2 = a0, a3 = a0;
           const T* r = rows + t * D;
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(qg + d);
-            a0 = _mm512_fmadd_ps(qv, load16(r + d), a0);
-            a1 = _mm512_fmadd_ps(qv, load16(r + D + d), a1);
-            a2 = _mm512_fmadd_ps(qv, load16(r + 2 * D + d), a2);
-            a3 = _mm512_fmadd_ps(qv, load16(r + 3 * D + d), a3);
+          for (int64_t d = 0; d < D; d += kLanes) {
+            const Vec qv = load(qg + d);
+            a0 = fmadd(qv, load(r + d), a0);
+            a1 = fmadd(qv, load(r + D + d), a1);
+            a2 = fmadd(qv, load(r + 2 * D + d), a2);
+            a3 = fmadd(qv, load(r + 3 * D + d), a3);
           }
           _mm_storeu_ps(out + t, reduce4(a0, a1, a2, a3));
         }
         for (; t < count; ++t) {
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16)
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(rows + t * D + d), a);
-          out[t] = _mm512_reduce_add_ps(a);
-        }
-      }
-      return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float* out = scores + g * len + at;
-        int64_t t = 0;
-        for (; t + 4 <= count; t += 4) {  // four keys per q load
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          const T* r = rows + t * D;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qg + d);
-            a0 = _mm256_fmadd_ps(qv, load8(r + d), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(r + D + d), a1);
-            a2 = _mm256_fmadd_ps(qv, load8(r + 2 * D + d), a2);
-            a3 = _mm256_fmadd_ps(qv, load8(r + 3 * D + d), a3);
-          }
-          _mm_storeu_ps(out + t, reduce4(a0, a1, a2, a3));
-        }
-        for (; t < count; ++t) {
-          __m256 a = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(rows + t * D + d), a);
-          out[t] = reduce_add8(a);
+          Vec a = lanes::zero();
+          for (int64_t d = 0; d < D; d += kLanes)
+            a = fmadd(load(qg + d), load(rows + t * D + d), a);
+          out[t] = lanes::sum_lanes(a);
         }
       }
       return;

@@ -147,7 +147,7 @@ void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const 
       float* p = s + t * R + v * 16;
       // Lanes that cannot see key t get 0 (whatever exp made of them is dropped).
       const __m512 e = _mm512_maskz_mov_ps(
-          visible(t), exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p), m)));
+          visible(t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p), m)));
       _mm512_storeu_ps(p, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -168,7 +168,7 @@ void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const 
     for (int64_t t = 0; t < len; ++t) {
       float* p = s + t * R + v * 8;
       const __m256 e = _mm256_and_ps(
-          visible(t), exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
+          visible(t), exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
       _mm256_storeu_ps(p, e);
       sum = _mm256_add_ps(sum, e);
     }

@@ -80,14 +80,14 @@ void weigh(const float* logits, int64_t V, float temperature, float* w) {
   for (; v + 16 <= V; v += 16) {
     const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + v), mv), iv);
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kLowest), _CMP_GE_OQ);
-    _mm512_storeu_ps(w + v, _mm512_maskz_mov_ps(live, exp_nonpositive16(x)));
+    _mm512_storeu_ps(w + v, _mm512_maskz_mov_ps(live, exp_nonpositive(x)));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(inv);
   for (; v + 8 <= V; v += 8) {
     const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + v), mv), iv);
     const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_GE_OQ);
-    _mm256_storeu_ps(w + v, _mm256_and_ps(live, exp_nonpositive8(x)));
+    _mm256_storeu_ps(w + v, _mm256_and_ps(live, exp_nonpositive(x)));
   }
 #endif
   for (; v < V; ++v) {
