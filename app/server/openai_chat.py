@@ -3,7 +3,7 @@
 
 One prompt, `n` choices. With a reasoning parser the thinking is split off the answer
 (`reasoning.py`); with tools in play their calls are parsed out of the answer
-(`tools.py`). `chat_prompt` is shared with the Anthropic and Responses routes.
+(`tools.py`). `chat_prompt` is shared with the Anthropic route.
 """
 
 from __future__ import annotations
