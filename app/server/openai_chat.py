@@ -61,7 +61,7 @@ async def chat_render(request: Request, body: dict) -> JSONResponse:
 # -- 1. request -> plan --------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatPlan:
     """A checked /v1/chat/completions request: what to run and how to answer it."""
 

@@ -49,7 +49,7 @@ async def completions_render(request: Request, body: dict) -> JSONResponse:
 # -- 1. request -> plan --------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompletionPlan:
     """A checked /v1/completions request: what to run and how to answer it."""
 
