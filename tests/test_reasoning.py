@@ -16,7 +16,7 @@ import pytest
 
 from app.config import ServerSettings
 from app.engine.grammar import StructuredOutput
-from app.server import openai as openai_routes
+from app.server import openai_chat as openai_routes
 from app.server.reasoning import ReasoningStream, structured_after_reasoning
 from app.server.structured import compiled
 from tests.server_harness import ServerThread, assert_idle_and_clean, tiny_config

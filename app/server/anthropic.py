@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 from app.engine.outputs import RequestOutput
 from app.server.anthropic_protocol import CountTokensRequest, MessagesRequest, chat_body
 from app.server.errors import APIError, api_error, parse
-from app.server.openai import _chat_prompt
+from app.server.openai_chat import chat_prompt
 from app.server.protocol import ChatCompletionRequest, new_id
 from app.server.reasoning import ChoiceReasoning, ReasoningStream, compiled_for_answer
 from app.server.state import check_model, engine, state
@@ -51,7 +51,7 @@ def anthropic_error(e: APIError) -> dict[str, Any]:
 async def _prepare(request: Request, req: CountTokensRequest, extra: dict[str, Any]):
     """The chat request this body is, its prompt, the tools' grammar and the tools."""
     chat = parse(ChatCompletionRequest, chat_body(req) | extra)
-    prompt, tool_so, tool_list = await _chat_prompt(request, chat)
+    prompt, tool_so, tool_list = await chat_prompt(request, chat)
     return chat, prompt, tool_so, tool_list
 
 

@@ -29,7 +29,7 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
-from app.server import anthropic, native, openai, responses
+from app.server import anthropic, native, openai, openai_chat, openai_completions, responses
 from app.server.auth import authorize
 from app.server.body_checks import check_body
 from app.server.errors import APIError, api_error
@@ -188,13 +188,14 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/v1/models", endpoint(openai.models, needs_body=False), methods=["GET"]),
-    Route("/v1/completions", endpoint(openai.completions), methods=["POST"]),
-    Route("/v1/chat/completions", endpoint(openai.chat_completions), methods=["POST"]),
-    Route("/v1/chat/completions/render", endpoint(openai.chat_render), methods=["POST"]),
+    Route("/v1/completions", endpoint(openai_completions.completions), methods=["POST"]),
+    Route("/v1/chat/completions", endpoint(openai_chat.chat_completions), methods=["POST"]),
+    Route("/v1/chat/completions/render", endpoint(openai_chat.chat_render), methods=["POST"]),
     Route("/v1/messages", endpoint(anthropic.messages, anthropic_api=True), methods=["POST"]),
     Route("/v1/messages/count_tokens", endpoint(anthropic.count_tokens, anthropic_api=True),
           methods=["POST"]),
-    Route("/v1/completions/render", endpoint(openai.completions_render), methods=["POST"]),
+    Route("/v1/completions/render", endpoint(openai_completions.completions_render),
+          methods=["POST"]),
     Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
     Route("/v1/responses/{response_id}", endpoint(responses.retrieve, needs_body=False),
           methods=["GET"]),

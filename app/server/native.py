@@ -21,7 +21,7 @@ from app.server.auth import is_admin
 from app.server.body_checks import off_loop_if_large
 from app.server.errors import APIError, parse, parse_params
 from app.server.logprobs import output_entries, prompt_entries
-from app.server.protocol import (
+from app.server.native_protocol import (
     AbortRequest,
     DetokenizeRequest,
     GenerateRequest,
