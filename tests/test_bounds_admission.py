@@ -202,3 +202,33 @@ def test_a_deadline_header_refuses_at_arrival_what_cannot_finish_in_time(server)
     assert ordinary == 200
     time.sleep(0.3)
     assert_idle_and_clean(server)
+
+
+def test_the_sequence_cost_is_the_least_squares_fit_of_its_window():
+    """The per-sequence cost kept in running sums equals numpy's least squares over the
+    last SEQ_COST_STEPS steps (with and without prefill in the window), and a window of
+    one batch size has no slope to tell."""
+    import random
+
+    import numpy as np
+
+    from app.engine.admission import SEQ_COST_STEPS, SequenceCost
+    rng = random.Random(0)
+    cost, rows = SequenceCost(), []
+    for _ in range(3 * SEQ_COST_STEPS + 7):
+        seqs, prefill = rng.randint(1, 32), rng.choice([0, 0, 0, 100, 512])
+        seconds = 0.01 + 0.002 * seqs + 0.0005 * prefill + rng.gauss(0, 0.001)
+        cost.observe(seqs + prefill, seqs, seconds)
+        rows.append((seqs, prefill, seconds))
+    a = np.array(rows[-SEQ_COST_STEPS:])
+    x = np.column_stack([np.ones(len(a)), a[:, 0], a[:, 1]])
+    assert cost.per_seq == pytest.approx(np.linalg.lstsq(x, a[:, 2], rcond=None)[0][1])
+    decode_only = SequenceCost()
+    for _ in range(40):
+        seqs = rng.randint(1, 32)
+        decode_only.observe(seqs, seqs, 0.01 + 0.003 * seqs)
+    assert decode_only.per_seq == pytest.approx(0.003)
+    same = SequenceCost()
+    for _ in range(40):
+        same.observe(5, 5, 0.1)
+    assert same.per_seq is None

@@ -150,19 +150,62 @@ class SequenceCost:
     while a 35-sequence decode step took six times a one-sequence one."""
 
     def __init__(self) -> None:
-        self._rows: deque[tuple[float, float, float]] = deque(maxlen=SEQ_COST_STEPS)
+        self._rows: deque[tuple[float, float, float]] = deque()
+        # Sums over the rows of x·xᵀ and x·y, x = (1, seqs, prefill tokens): kept up to
+        # date as rows come and go, and summed afresh once per window so no rounding
+        # drift builds up. O(1) a step, and no numpy: this runs on the event loop every
+        # step, where a LAPACK call wakes BLAS threads that spin beside the model's.
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self._since_resum = 0
         self.per_seq: float | None = None  # None: the steps do not tell it yet
 
     def observe(self, tokens: int, seqs: int, seconds: float) -> None:
-        self._rows.append((seqs, max(0, tokens - seqs), seconds))
-        if len(self._rows) < 16:
-            return
-        rows = np.array(self._rows)
-        if np.ptp(rows[:, 0]) == 0:
-            return  # every recent step had the same batch: no slope to see
-        x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
-        coef = np.linalg.lstsq(x, rows[:, 2], rcond=None)[0]
-        self.per_seq = max(0.0, float(coef[1]))
+        row = (float(seqs), float(max(0, tokens - seqs)), seconds)
+        self._rows.append(row)
+        self._add(row, 1.0)
+        if len(self._rows) > SEQ_COST_STEPS:
+            self._add(self._rows.popleft(), -1.0)
+        self._since_resum += 1
+        if self._since_resum >= SEQ_COST_STEPS:
+            self._resum()
+        n, s, ss = self._xtx[0][0], self._xtx[0][1], self._xtx[1][1]
+        if n < 16 or ss * n - s * s <= 1e-9 * max(1.0, ss * n):
+            return  # too few steps, or every recent step had the same batch: no slope
+        fit = _solve(self._xtx, self._xty, 3) or _solve(self._xtx, self._xty, 2)
+        if fit is not None:
+            self.per_seq = max(0.0, fit[1])
+
+    def _add(self, row: tuple[float, float, float], sign: float) -> None:
+        x = (1.0, row[0], row[1])
+        for i in range(3):
+            self._xty[i] += sign * x[i] * row[2]
+            for j in range(3):
+                self._xtx[i][j] += sign * x[i] * x[j]
+
+    def _resum(self) -> None:
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        for row in self._rows:
+            self._add(row, 1.0)
+        self._since_resum = 0
+
+
+def _solve(xtx: list[list[float]], xty: list[float], k: int) -> list[float] | None:
+    """The least-squares coefficients from the normal equations' first `k` terms
+    (k = 2 leaves the prefill term out), or None when they are singular (no prefill
+    in the window, for k = 3). Gauss-Jordan elimination with partial pivoting."""
+    m = [xtx[i][:k] + [xty[i]] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-9 * max(1.0, abs(xtx[col][col])):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return [m[i][k] / m[i][i] for i in range(k)]
 
 
 class AdmissionController:
