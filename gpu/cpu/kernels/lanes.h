@@ -11,9 +11,10 @@
 //
 // Two layers: loads and stores named by width (load16 / store16, load8 / store8), which
 // the attention kernels mix with their own intrinsics, and over them `Vec` with `kLanes`,
-// `load`, `store`, `rounded<T>`, a little arithmetic and the horizontal sum and max, the
-// build's widest vector, for loops written once for both widths (defined where
-// LANES_VECTORS is). Each helper is the one intrinsic (or reduce.h's sequence) a loop
+// `load`, `store`, `rounded<T>`, a little arithmetic, the horizontal sum and max, and
+// lane masks (`Mask`: compare, select, zero or max under a mask; `Ints` for per-lane
+// int32 bounds), the build's widest vector, for loops written once for both widths
+// (defined where LANES_VECTORS is). Each helper is the one intrinsic (or reduce.h's sequence) a loop
 // written for one width would call, so such a loop computes the same bits.
 #pragma once
 
@@ -113,6 +114,22 @@ inline Vec neg(Vec a) {  // the sign flipped, zeros too (0 - a would give +0 for
 }
 inline float sum_lanes(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float max_lanes(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+// Lane masks: a bit per lane here, all-ones lanes on AVX2; the comparisons are ordered
+// (false where a lane is NaN).
+using Mask = __mmask16;
+inline Mask less(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+inline Mask at_least(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
+inline Vec zero_unless(Mask m, Vec v) { return _mm512_maskz_mov_ps(m, v); }
+inline Vec max_where(Mask m, Vec a, Vec b) { return _mm512_mask_max_ps(a, m, a, b); }  // m ? max(a, b) : a
+// kLanes int32 lanes, for per-lane bounds.
+using Ints = __m512i;
+inline Ints load_ints(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline Mask in_range(int32_t t, Ints lo, Ints hi) {  // lo <= t < hi
+  const __m512i tv = _mm512_set1_epi32(t);
+  return _mm512_cmpge_epi32_mask(tv, lo) & _mm512_cmplt_epi32_mask(tv, hi);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -134,6 +151,22 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec neg(Vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline float sum_lanes(Vec v) { return reduce_add8(v); }
 inline float max_lanes(Vec v) { return reduce_max8(v); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+using Mask = __m256;
+inline Mask less(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+inline Mask at_least(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, m); }
+inline Vec zero_unless(Mask m, Vec v) { return _mm256_and_ps(m, v); }
+inline Vec max_where(Mask m, Vec a, Vec b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
+using Ints = __m256i;
+inline Ints load_ints(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline Mask in_range(int32_t t, Ints lo, Ints hi) {
+  const __m256i tv = _mm256_set1_epi32(t);
+  return _mm256_castsi256_ps(
+      _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, tv), _mm256_cmpgt_epi32(hi, tv)));
+}
 #endif
 
 }  // namespace lanes
