@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include "lanes.h"
-#include "reduce.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,49 +28,32 @@ int64_t argmax_row(const T* x, int64_t V) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t best = 0, v = 0;
   bool nan = false;
-#ifdef __AVX512F__
+#ifdef LANES_VECTORS
   // Per lane: the largest value and where it first came (only a strictly larger value
   // moves it), then the lowest index among the lanes that hold the row's largest.
-  __m512 mx = _mm512_set1_ps(m);
-  __m512i at = _mm512_setzero_si512(), iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                               10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 unordered = 0;
-  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-    const __m512 y = lanes::load16(x + v);
-    unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    const __mmask16 larger = _mm512_cmp_ps_mask(y, mx, _CMP_GT_OQ);
-    mx = _mm512_mask_mov_ps(mx, larger, y);
-    at = _mm512_mask_mov_epi32(at, larger, iv);
-  }
-  m = _mm512_reduce_max_ps(mx);
-  const __mmask16 holders = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  best = v == 0 ? 0 : _mm512_mask_reduce_min_epi32(holders, at);
-  nan = unordered != 0;
-  if (v == 0) m = -std::numeric_limits<float>::infinity();
-#elif defined(__AVX2__) && defined(__FMA__)
-  // The same on 8 lanes, blends for masks; the lanes' answers compared in scalar code.
-  __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
-  __m256i at = _mm256_setzero_si256(), iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
-    const __m256 y = lanes::load8(x + v);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-    const __m256 larger = _mm256_cmp_ps(y, mx, _CMP_GT_OQ);
-    mx = _mm256_blendv_ps(mx, y, larger);
-    at = _mm256_castps_si256(
-        _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(iv), larger));
+  using lanes::kLanes, lanes::Vec;
+  Vec mx = lanes::splat(m);
+  lanes::Ints at = lanes::splat_int(0), iv = lanes::lane_ids();
+  const lanes::Ints step = lanes::splat_int(kLanes);
+  lanes::Mask unordered = lanes::is_nan(mx);  // none: mx is -inf
+  for (; v + kLanes <= V; v += kLanes, iv = lanes::add(iv, step)) {
+    const Vec y = lanes::load(x + v);
+    unordered = lanes::either(unordered, lanes::is_nan(y));
+    const lanes::Mask larger = lanes::greater(y, mx);
+    mx = lanes::select(larger, y, mx);
+    at = lanes::select(larger, iv, at);
   }
   if (v > 0) {
-    alignas(32) float lane_max[8];
-    alignas(32) int32_t lane_at[8];
-    _mm256_store_ps(lane_max, mx);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), at);
-    m = reduce_max8(mx);
+    float lane_max[kLanes];
+    int32_t lane_at[kLanes];
+    lanes::store(lane_max, mx);
+    lanes::store_ints(lane_at, at);
+    m = lanes::max_lanes(mx);
     best = v;
-    for (int l = 0; l < 8; ++l) {
+    for (int64_t l = 0; l < kLanes; ++l) {
       if (lane_max[l] == m) best = std::min<int64_t>(best, lane_at[l]);
     }
-    nan = _mm256_movemask_ps(unordered) != 0;
+    nan = lanes::any(unordered);
   }
 #endif
   for (; v < V; ++v) {

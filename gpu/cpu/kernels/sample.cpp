@@ -25,7 +25,6 @@
 
 #include "fast_exp.h"
 #include "lanes.h"
-#include "reduce.h"
 
 #include <algorithm>
 #include <cmath>
@@ -102,56 +101,19 @@ double sum_weights(const float* w, int64_t V, std::vector<double>* sums) {
   return all;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2 has no compress store: a table gives, per 8-bit lane mask, the chosen lanes'
-// indices first, and one permute moves them to the front. All 8 lanes are stored, so
-// the destination must have 8 writable floats (the callers' stores never pass their load).
-struct CompressTable {
-  alignas(32) int32_t lanes[256][8];
-  CompressTable() {
-    for (int mask = 0; mask < 256; ++mask) {
-      int n = 0;
-      for (int l = 0; l < 8; ++l) {
-        if (mask >> l & 1) lanes[mask][n++] = l;
-      }
-      while (n < 8) lanes[mask][n++] = 0;
-    }
-  }
-};
-const CompressTable kCompress;
-
-inline void compress_store8(__m256 x, __m256i ids, int mask, float* to, int32_t* to_ids) {
-  const __m256i perm =
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.lanes[mask]));
-  _mm256_storeu_ps(to, _mm256_permutevar8x32_ps(x, perm));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to_ids),
-                      _mm256_permutevar8x32_epi32(ids, perm));
-}
-#endif
-
 // Every token of weight >= least into (vals, ids), in id order; returns how many.
 int64_t collect(const float* w, int64_t V, float least, float* vals, int32_t* ids) {
   int64_t n = 0, v = 0;
-#ifdef __AVX512F__
-  const __m512 lv = _mm512_set1_ps(least);
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-    const __m512 x = _mm512_loadu_ps(w + v);
-    const __mmask16 in = _mm512_cmp_ps_mask(x, lv, _CMP_GE_OQ);
-    _mm512_mask_compressstoreu_ps(vals + n, in, x);
-    _mm512_mask_compressstoreu_epi32(ids + n, in, iv);
-    n += __builtin_popcount(in);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 lv = _mm256_set1_ps(least);
-  __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
-    const __m256 x = _mm256_loadu_ps(w + v);
-    const int in = _mm256_movemask_ps(_mm256_cmp_ps(x, lv, _CMP_GE_OQ));
-    if (in == 0) continue;  // most blocks of a row: nothing this heavy
-    compress_store8(x, iv, in, vals + n, ids + n);  // n <= v: stays inside the row
-    n += __builtin_popcount(in);
+#ifdef LANES_VECTORS
+  using lanes::kLanes;
+  const lanes::Vec lv = lanes::splat(least);
+  const lanes::Ints step = lanes::splat_int(kLanes);
+  lanes::Ints iv = lanes::lane_ids();
+  for (; v + kLanes <= V; v += kLanes, iv = lanes::add(iv, step)) {
+    const lanes::Vec x = lanes::load(w + v);
+    const lanes::Mask in = lanes::at_least(x, lv);
+    if (!lanes::any(in)) continue;  // most blocks of a row: nothing this heavy
+    n += lanes::compress(in, x, iv, vals + n, ids + n);  // n <= v: stays inside the row
   }
 #endif
   for (; v < V; ++v) {
@@ -220,26 +182,15 @@ double mass_above(const float* vals, int64_t n, int32_t t) {
 // or at most t (not `above`); returns how many.
 int64_t keep_side(float* vals, int32_t* ids, int64_t n, int32_t t, bool above) {
   int64_t kept = 0, j = 0;
-#ifdef __AVX512F__
-  const __m512i tv = _mm512_set1_epi32(t);
-  for (; j + 16 <= n; j += 16) {  // each store lands at or before what was just loaded
-    const __m512i k = _mm512_loadu_si512(vals + j);
-    const __m512i i = _mm512_loadu_si512(ids + j);
-    const __mmask16 gt = _mm512_cmpgt_epi32_mask(k, tv);
-    const __mmask16 in = above ? gt : static_cast<__mmask16>(~gt);
-    _mm512_mask_compressstoreu_epi32(vals + kept, in, k);
-    _mm512_mask_compressstoreu_epi32(ids + kept, in, i);
-    kept += __builtin_popcount(in);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256i tv = _mm256_set1_epi32(t);
-  for (; j + 8 <= n; j += 8) {  // as above: kept <= j
-    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vals + j));
-    const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + j));
-    const int gt = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, tv)));
-    const int in = above ? gt : ~gt & 0xFF;
-    compress_store8(_mm256_castsi256_ps(k), i, in, vals + kept, ids + kept);
-    kept += __builtin_popcount(in);
+#ifdef LANES_VECTORS
+  using lanes::kLanes;
+  const lanes::Ints tv = lanes::splat_int(t);
+  int32_t* keys = reinterpret_cast<int32_t*>(vals);  // key(vals[j]), as stored
+  for (; j + kLanes <= n; j += kLanes) {  // each store lands at or before what was just loaded
+    const lanes::Ints k = lanes::load_ints(keys + j);
+    const lanes::Mask gt = lanes::greater(k, tv);
+    kept += lanes::compress(above ? gt : lanes::invert(gt), k, lanes::load_ints(ids + j),
+                            keys + kept, ids + kept);
   }
 #endif
   for (; j < n; ++j) {
