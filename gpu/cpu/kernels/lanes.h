@@ -13,9 +13,11 @@
 // the attention kernels mix with their own intrinsics, and over them `Vec` with `kLanes`,
 // `load`, `store`, `rounded<T>`, a little arithmetic, the horizontal sum and max, and
 // lane masks (`Mask`: compare, select, zero or max under a mask, compress the chosen
-// lanes to the front; `Ints`: int32 lanes for bounds and indices), the build's widest vector, for loops written once for both widths
-// (defined where LANES_VECTORS is). Each helper is the one intrinsic (or reduce.h's sequence) a loop
-// written for one width would call, so such a loop computes the same bits.
+// lanes to the front; `Ints`: int32 lanes for bounds and indices), the build's widest
+// vector, for loops written once for both widths (defined where LANES_VECTORS is). Each
+// helper is the one intrinsic (or reduce.h's sequence, or AVX2's permute table for a
+// compress store) a loop written for one width would call, so such a loop computes the
+// same bits.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -122,8 +124,9 @@ inline Mask less(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
 inline Mask at_least(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
 inline Vec zero_unless(Mask m, Vec v) { return _mm512_maskz_mov_ps(m, v); }
-inline Vec max_where(Mask m, Vec a, Vec b) { return _mm512_mask_max_ps(a, m, a, b); }  // m ? max(a, b) : a
-// kLanes int32 lanes, for per-lane bounds.
+// m ? max(a, b) : a, per lane.
+inline Vec max_where(Mask m, Vec a, Vec b) { return _mm512_mask_max_ps(a, m, a, b); }
+// kLanes int32 lanes, for per-lane bounds and token ids.
 using Ints = __m512i;
 inline Ints load_ints(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline Mask in_range(int32_t t, Ints lo, Ints hi) {  // lo <= t < hi

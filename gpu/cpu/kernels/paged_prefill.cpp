@@ -78,17 +78,22 @@ inline void score_tile(const float* qt, int64_t R, int64_t v0, const T* k, int64
     for (int j = 0; j < NV; ++j) lanes::store(s + kk * R + (v0 + j) * kLanes, acc[kk][j]);
 }
 
+// A tile of NV vectors of rows, or of nv when fewer remain: only the tile widths a build
+// can use are instantiated (up to kRowVectors).
+template <int NK, int NV, typename T>
+inline void score_tile_of(int64_t nv, const float* qt, int64_t R, int64_t v0, const T* k,
+                          int64_t D, float* s) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return score_tile_of<NK, NV - 1>(nv, qt, R, v0, k, D, s);
+  }
+  score_tile<NK, NV>(qt, R, v0, k, D, s);
+}
+
 template <int NK, typename T>
 inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float* s) {
   const int64_t vectors = R / lanes::kLanes;
-  for (int64_t v0 = 0; v0 < vectors; v0 += kRowVectors) {
-    switch (std::min<int64_t>(kRowVectors, vectors - v0)) {
-      case 4: score_tile<NK, 4>(qt, R, v0, k, D, s); break;
-      case 3: score_tile<NK, 3>(qt, R, v0, k, D, s); break;
-      case 2: score_tile<NK, 2>(qt, R, v0, k, D, s); break;
-      default: score_tile<NK, 1>(qt, R, v0, k, D, s); break;
-    }
-  }
+  for (int64_t v0 = 0; v0 < vectors; v0 += kRowVectors)
+    score_tile_of<NK, kRowVectors>(vectors - v0, qt, R, v0, k, D, s);
 }
 #endif
 
