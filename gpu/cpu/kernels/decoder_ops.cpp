@@ -143,8 +143,8 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
   return out;
 }
 
-// SiLU(g) * u = g * u / (1 + exp(-g)), the exp of -|g| (never overflows) on 16 lanes
-// by hand: GCC would not vectorise this loop written plainly (the select around the
+// SiLU(g) * u = g * u / (1 + exp(-g)), the exp of -|g| (never overflows) on lanes.h's
+// Vec by hand: GCC would not vectorise this loop written plainly (the select around the
 // polynomial exp), and torch's two ops then beat it. Both dtypes take the vector
 // path: the same operations in the same order as the scalar tail, so the same bits.
 template <typename T>
@@ -155,27 +155,17 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
       const T* u = g + inter;
       T* o = out + r * inter;
       int64_t i = 0;
-#ifdef __AVX512F__
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 x = load(g + i);
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 minus_abs = _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x);
-        const __m512 e = exp_nonpositive(minus_abs);  // exp(-|x|)
-        const __m512 num = _mm512_mask_blend_ps(neg, one, e);  // x < 0: e, else 1
-        const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-        store(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), load(u + i)));
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= inter; i += 8) {
-        const __m256 x = load(g + i);
-        const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
-        const __m256 minus_abs = _mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg);
-        const __m256 e = exp_nonpositive(minus_abs);  // exp(-|x|)
-        const __m256 num = _mm256_blendv_ps(one, e, neg);  // x < 0: e, else 1
-        const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-        store(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load(u + i)));
+#ifdef LANES_VECTORS
+      using lanes::Vec;
+      const Vec one = splat(1.f), zero = lanes::zero();
+      for (; i + lanes::kLanes <= inter; i += lanes::kLanes) {
+        const Vec x = load(g + i);
+        const lanes::Mask neg = lanes::less(x, zero);
+        const Vec minus_abs = lanes::select(neg, x, lanes::sub(zero, x));
+        const Vec e = exp_nonpositive(minus_abs);  // exp(-|x|)
+        const Vec num = lanes::select(neg, e, one);  // x < 0: e, else 1
+        const Vec sig = lanes::div(num, add(one, e));
+        store(o + i, mul(mul(x, sig), load(u + i)));
       }
 #endif
       for (; i < inter; ++i) {

@@ -40,11 +40,8 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "lanes.h"
 #include "paged.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -54,57 +51,49 @@ using namespace paged;
 // scores their earlier tokens cannot see; 16 balances the two for the head counts served.
 constexpr int64_t TILE = 16;
 
-#ifdef __AVX512F__
-// s[kk][v0 * 16 .. (v0 + NV) * 16) = q·k for NK keys (rows of D) and NV vectors of rows.
+#ifdef LANES_VECTORS
+// Vectors of rows per tile: NK x kRowVectors accumulators and the row vectors of q fit
+// the 32 registers of AVX-512 and the 16 of AVX2 (where R, a multiple of 16, is a whole
+// number of 2-vector tiles).
+constexpr int kRowVectors = lanes::kLanes == 16 ? 4 : 2;
+
+// s[kk][v0 * kLanes .. (v0 + NV) * kLanes) = q·k for NK keys (rows of D) and NV vectors
+// of rows.
 template <int NK, int NV, typename T>
 inline void score_tile(const float* qt, int64_t R, int64_t v0, const T* k, int64_t D,
                        float* s) {
-  __m512 acc[NK][NV];
+  using lanes::Vec, lanes::kLanes;
+  Vec acc[NK][NV];
   for (int kk = 0; kk < NK; ++kk)
-    for (int j = 0; j < NV; ++j) acc[kk][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[kk][j] = lanes::zero();
   for (int64_t d = 0; d < D; ++d) {
-    __m512 qv[NV];
-    for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qt + d * R + (v0 + j) * 16);
+    Vec qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = lanes::load(qt + d * R + (v0 + j) * kLanes);
     for (int kk = 0; kk < NK; ++kk) {
-      const __m512 kd = _mm512_set1_ps(to_float(k[kk * D + d]));
-      for (int j = 0; j < NV; ++j) acc[kk][j] = _mm512_fmadd_ps(kd, qv[j], acc[kk][j]);
+      const Vec kd = lanes::splat(to_float(k[kk * D + d]));
+      for (int j = 0; j < NV; ++j) acc[kk][j] = lanes::fmadd(kd, qv[j], acc[kk][j]);
     }
   }
   for (int kk = 0; kk < NK; ++kk)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + kk * R + (v0 + j) * 16, acc[kk][j]);
+    for (int j = 0; j < NV; ++j) lanes::store(s + kk * R + (v0 + j) * kLanes, acc[kk][j]);
+}
+
+// A tile of NV vectors of rows, or of nv when fewer remain: only the tile widths a build
+// can use are instantiated (up to kRowVectors).
+template <int NK, int NV, typename T>
+inline void score_tile_of(int64_t nv, const float* qt, int64_t R, int64_t v0, const T* k,
+                          int64_t D, float* s) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return score_tile_of<NK, NV - 1>(nv, qt, R, v0, k, D, s);
+  }
+  score_tile<NK, NV>(qt, R, v0, k, D, s);
 }
 
 template <int NK, typename T>
 inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float* s) {
-  for (int64_t v0 = 0; v0 < R / 16; v0 += 4) {  // at most 4 x NK accumulators
-    switch (std::min<int64_t>(4, R / 16 - v0)) {
-      case 4: score_tile<NK, 4>(qt, R, v0, k, D, s); break;
-      case 3: score_tile<NK, 3>(qt, R, v0, k, D, s); break;
-      case 2: score_tile<NK, 2>(qt, R, v0, k, D, s); break;
-      default: score_tile<NK, 1>(qt, R, v0, k, D, s); break;
-    }
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same on AVX2: NK keys x 16 rows (two 8-lane vectors) at a time, 2 NK accumulators.
-template <int NK, typename T>
-inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float* s) {
-  for (int64_t v0 = 0; v0 < R; v0 += 16) {  // R is a multiple of 16
-    __m256 acc[NK][2];
-    for (int kk = 0; kk < NK; ++kk) acc[kk][0] = acc[kk][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 q0 = _mm256_loadu_ps(qt + d * R + v0), q1 = _mm256_loadu_ps(qt + d * R + v0 + 8);
-      for (int kk = 0; kk < NK; ++kk) {
-        const __m256 kd = _mm256_set1_ps(to_float(k[kk * D + d]));
-        acc[kk][0] = _mm256_fmadd_ps(kd, q0, acc[kk][0]);
-        acc[kk][1] = _mm256_fmadd_ps(kd, q1, acc[kk][1]);
-      }
-    }
-    for (int kk = 0; kk < NK; ++kk) {
-      _mm256_storeu_ps(s + kk * R + v0, acc[kk][0]);
-      _mm256_storeu_ps(s + kk * R + v0 + 8, acc[kk][1]);
-    }
-  }
+  const int64_t vectors = R / lanes::kLanes;
+  for (int64_t v0 = 0; v0 < vectors; v0 += kRowVectors)
+    score_tile_of<NK, kRowVectors>(vectors - v0, qt, R, v0, k, D, s);
 }
 #endif
 
@@ -115,7 +104,7 @@ void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, i
   for_each_run(k, D, table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
     const T* rows = k + slot * D;
     int64_t t = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef LANES_VECTORS
     for (; t + 4 <= count; t += 4) score_keys<4>(qt, R, rows + t * D, D, s + (at + t) * R);
     for (; t < count; ++t) score_keys<1>(qt, R, rows + t * D, D, s + (at + t) * R);
 #endif
@@ -133,46 +122,26 @@ void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, i
 void softmax_columns(float* s, int64_t R, int64_t len, const int32_t* lo, const int32_t* hi,
                      float* sums) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#ifdef __AVX512F__
-  for (int64_t v = 0; v < R / 16; ++v) {
-    const __m512i lo_v = _mm512_loadu_si512(lo + v * 16), hi_v = _mm512_loadu_si512(hi + v * 16);
-    auto visible = [&](int64_t t) {
-      const __m512i tv = _mm512_set1_epi32(static_cast<int32_t>(t));
-      return _mm512_cmpge_epi32_mask(tv, lo_v) & _mm512_cmplt_epi32_mask(tv, hi_v);
+#ifdef LANES_VECTORS
+  using lanes::Vec, lanes::kLanes;
+  for (int64_t v = 0; v < R / kLanes; ++v) {
+    const lanes::Ints lo_v = lanes::load_ints(lo + v * kLanes),
+                      hi_v = lanes::load_ints(hi + v * kLanes);
+    auto visible = [&](int64_t t) {  // lanes with lo <= t < hi
+      return lanes::in_range(static_cast<int32_t>(t), lo_v, hi_v);
     };
-    __m512 m = _mm512_set1_ps(neg_inf), sum = _mm512_setzero_ps();
+    Vec m = lanes::splat(neg_inf), sum = lanes::zero();
     for (int64_t t = 0; t < len; ++t)
-      m = _mm512_mask_max_ps(m, visible(t), m, _mm512_loadu_ps(s + t * R + v * 16));
+      m = lanes::max_where(visible(t), m, lanes::load(s + t * R + v * kLanes));
     for (int64_t t = 0; t < len; ++t) {
-      float* p = s + t * R + v * 16;
+      float* p = s + t * R + v * kLanes;
       // Lanes that cannot see key t get 0 (whatever exp made of them is dropped).
-      const __m512 e = _mm512_maskz_mov_ps(
-          visible(t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p), m)));
-      _mm512_storeu_ps(p, e);
-      sum = _mm512_add_ps(sum, e);
+      const Vec e =
+          lanes::zero_unless(visible(t), exp_nonpositive(lanes::sub(lanes::load(p), m)));
+      lanes::store(p, e);
+      sum = lanes::add(sum, e);
     }
-    _mm512_storeu_ps(sums + v * 16, sum);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  for (int64_t v = 0; v < R / 8; ++v) {
-    const __m256i lo_v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + v * 8));
-    const __m256i hi_v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + v * 8));
-    auto visible = [&](int64_t t) {  // lo <= t < hi, as all-ones lanes
-      const __m256i tv = _mm256_set1_epi32(static_cast<int32_t>(t));
-      return _mm256_castsi256_ps(
-          _mm256_andnot_si256(_mm256_cmpgt_epi32(lo_v, tv), _mm256_cmpgt_epi32(hi_v, tv)));
-    };
-    __m256 m = _mm256_set1_ps(neg_inf), sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t)
-      m = _mm256_blendv_ps(m, _mm256_max_ps(m, _mm256_loadu_ps(s + t * R + v * 8)), visible(t));
-    for (int64_t t = 0; t < len; ++t) {
-      float* p = s + t * R + v * 8;
-      const __m256 e = _mm256_and_ps(
-          visible(t), exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
-      _mm256_storeu_ps(p, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    _mm256_storeu_ps(sums + v * 8, sum);
+    lanes::store(sums + v * kLanes, sum);
   }
 #else
   for (int64_t r = 0; r < R; ++r) {

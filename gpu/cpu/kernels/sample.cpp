@@ -25,7 +25,6 @@
 
 #include "fast_exp.h"
 #include "lanes.h"
-#include "reduce.h"
 
 #include <algorithm>
 #include <cmath>
@@ -62,32 +61,21 @@ constexpr float kLowest = -87.0f;
 void weigh(const float* logits, int64_t V, float temperature, float* w) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t v = 0;
-#ifdef __AVX512F__
+#ifdef LANES_VECTORS
   // By hand: GCC kept the max a scalar chain (three quarters of the kernel's time).
-  __m512 mx = _mm512_set1_ps(m);
-  for (; v + 16 <= V; v += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(logits + v));
-  m = _mm512_reduce_max_ps(mx);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 mx = _mm256_set1_ps(m);
-  for (; v + 8 <= V; v += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(logits + v));
-  m = reduce_max8(mx);
+  using lanes::kLanes, lanes::Vec;
+  Vec mx = lanes::splat(m);
+  for (; v + kLanes <= V; v += kLanes) mx = lanes::max(mx, lanes::load(logits + v));
+  m = lanes::max_lanes(mx);
 #endif
   for (; v < V; ++v) m = std::max(m, logits[v]);
   const float inv = 1.0f / temperature;
   v = 0;
-#ifdef __AVX512F__
-  const __m512 mv = _mm512_set1_ps(m), iv = _mm512_set1_ps(inv);
-  for (; v + 16 <= V; v += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + v), mv), iv);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kLowest), _CMP_GE_OQ);
-    _mm512_storeu_ps(w + v, _mm512_maskz_mov_ps(live, exp_nonpositive(x)));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m), iv = _mm256_set1_ps(inv);
-  for (; v + 8 <= V; v += 8) {
-    const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(logits + v), mv), iv);
-    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_GE_OQ);
-    _mm256_storeu_ps(w + v, _mm256_and_ps(live, exp_nonpositive(x)));
+#ifdef LANES_VECTORS
+  const Vec mv = lanes::splat(m), iv = lanes::splat(inv), lowest = lanes::splat(kLowest);
+  for (; v + kLanes <= V; v += kLanes) {
+    const Vec x = lanes::mul(lanes::sub(lanes::load(logits + v), mv), iv);
+    lanes::store(w + v, lanes::zero_unless(lanes::at_least(x, lowest), exp_nonpositive(x)));
   }
 #endif
   for (; v < V; ++v) {
@@ -113,56 +101,19 @@ double sum_weights(const float* w, int64_t V, std::vector<double>* sums) {
   return all;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2 has no compress store: a table gives, per 8-bit lane mask, the chosen lanes'
-// indices first, and one permute moves them to the front. All 8 lanes are stored, so
-// the destination must have 8 writable floats (the callers' stores never pass their load).
-struct CompressTable {
-  alignas(32) int32_t lanes[256][8];
-  CompressTable() {
-    for (int mask = 0; mask < 256; ++mask) {
-      int n = 0;
-      for (int l = 0; l < 8; ++l) {
-        if (mask >> l & 1) lanes[mask][n++] = l;
-      }
-      while (n < 8) lanes[mask][n++] = 0;
-    }
-  }
-};
-const CompressTable kCompress;
-
-inline void compress_store8(__m256 x, __m256i ids, int mask, float* to, int32_t* to_ids) {
-  const __m256i perm =
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.lanes[mask]));
-  _mm256_storeu_ps(to, _mm256_permutevar8x32_ps(x, perm));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to_ids),
-                      _mm256_permutevar8x32_epi32(ids, perm));
-}
-#endif
-
 // Every token of weight >= least into (vals, ids), in id order; returns how many.
 int64_t collect(const float* w, int64_t V, float least, float* vals, int32_t* ids) {
   int64_t n = 0, v = 0;
-#ifdef __AVX512F__
-  const __m512 lv = _mm512_set1_ps(least);
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-    const __m512 x = _mm512_loadu_ps(w + v);
-    const __mmask16 in = _mm512_cmp_ps_mask(x, lv, _CMP_GE_OQ);
-    _mm512_mask_compressstoreu_ps(vals + n, in, x);
-    _mm512_mask_compressstoreu_epi32(ids + n, in, iv);
-    n += __builtin_popcount(in);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 lv = _mm256_set1_ps(least);
-  __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
-    const __m256 x = _mm256_loadu_ps(w + v);
-    const int in = _mm256_movemask_ps(_mm256_cmp_ps(x, lv, _CMP_GE_OQ));
-    if (in == 0) continue;  // most blocks of a row: nothing this heavy
-    compress_store8(x, iv, in, vals + n, ids + n);  // n <= v: stays inside the row
-    n += __builtin_popcount(in);
+#ifdef LANES_VECTORS
+  using lanes::kLanes;
+  const lanes::Vec lv = lanes::splat(least);
+  const lanes::Ints step = lanes::splat_int(kLanes);
+  lanes::Ints iv = lanes::lane_ids();
+  for (; v + kLanes <= V; v += kLanes, iv = lanes::add(iv, step)) {
+    const lanes::Vec x = lanes::load(w + v);
+    const lanes::Mask in = lanes::at_least(x, lv);
+    if (!lanes::any(in)) continue;  // most blocks of a row: nothing this heavy
+    n += lanes::compress(in, x, iv, vals + n, ids + n);  // n <= v: stays inside the row
   }
 #endif
   for (; v < V; ++v) {
@@ -231,26 +182,15 @@ double mass_above(const float* vals, int64_t n, int32_t t) {
 // or at most t (not `above`); returns how many.
 int64_t keep_side(float* vals, int32_t* ids, int64_t n, int32_t t, bool above) {
   int64_t kept = 0, j = 0;
-#ifdef __AVX512F__
-  const __m512i tv = _mm512_set1_epi32(t);
-  for (; j + 16 <= n; j += 16) {  // each store lands at or before what was just loaded
-    const __m512i k = _mm512_loadu_si512(vals + j);
-    const __m512i i = _mm512_loadu_si512(ids + j);
-    const __mmask16 gt = _mm512_cmpgt_epi32_mask(k, tv);
-    const __mmask16 in = above ? gt : static_cast<__mmask16>(~gt);
-    _mm512_mask_compressstoreu_epi32(vals + kept, in, k);
-    _mm512_mask_compressstoreu_epi32(ids + kept, in, i);
-    kept += __builtin_popcount(in);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256i tv = _mm256_set1_epi32(t);
-  for (; j + 8 <= n; j += 8) {  // as above: kept <= j
-    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vals + j));
-    const __m256i i = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + j));
-    const int gt = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, tv)));
-    const int in = above ? gt : ~gt & 0xFF;
-    compress_store8(_mm256_castsi256_ps(k), i, in, vals + kept, ids + kept);
-    kept += __builtin_popcount(in);
+#ifdef LANES_VECTORS
+  using lanes::kLanes;
+  const lanes::Ints tv = lanes::splat_int(t);
+  int32_t* keys = reinterpret_cast<int32_t*>(vals);  // key(vals[j]), as stored
+  for (; j + kLanes <= n; j += kLanes) {  // each store lands at or before what was just loaded
+    const lanes::Ints k = lanes::load_ints(keys + j);
+    const lanes::Mask gt = lanes::greater(k, tv);
+    kept += lanes::compress(above ? gt : lanes::invert(gt), k, lanes::load_ints(ids + j),
+                            keys + kept, ids + kept);
   }
 #endif
   for (; j < n; ++j) {
@@ -380,101 +320,9 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   return out;
 }
 
-// The first index of a row's largest value, or of its first NaN: torch.argmax's answer.
-// bf16 rows (a bf16 model's logits) are widened as they are read: exact, so the answer is
-// the widened row's, without the float32 copy of every logit it would take first.
-template <typename T>
-int64_t argmax_row(const T* x, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t best = 0, v = 0;
-  bool nan = false;
-#ifdef __AVX512F__
-  // Per lane: the largest value and where it first came (only a strictly larger value
-  // moves it), then the lowest index among the lanes that hold the row's largest.
-  __m512 mx = _mm512_set1_ps(m);
-  __m512i at = _mm512_setzero_si512(), iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                               10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 unordered = 0;
-  for (; v + 16 <= V; v += 16, iv = _mm512_add_epi32(iv, step)) {
-    const __m512 y = lanes::load16(x + v);
-    unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-    const __mmask16 larger = _mm512_cmp_ps_mask(y, mx, _CMP_GT_OQ);
-    mx = _mm512_mask_mov_ps(mx, larger, y);
-    at = _mm512_mask_mov_epi32(at, larger, iv);
-  }
-  m = _mm512_reduce_max_ps(mx);
-  const __mmask16 holders = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  best = v == 0 ? 0 : _mm512_mask_reduce_min_epi32(holders, at);
-  nan = unordered != 0;
-  if (v == 0) m = -std::numeric_limits<float>::infinity();
-#elif defined(__AVX2__) && defined(__FMA__)
-  // The same on 8 lanes, blends for masks; the lanes' answers compared in scalar code.
-  __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
-  __m256i at = _mm256_setzero_si256(), iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; v + 8 <= V; v += 8, iv = _mm256_add_epi32(iv, _mm256_set1_epi32(8))) {
-    const __m256 y = lanes::load8(x + v);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-    const __m256 larger = _mm256_cmp_ps(y, mx, _CMP_GT_OQ);
-    mx = _mm256_blendv_ps(mx, y, larger);
-    at = _mm256_castps_si256(
-        _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(iv), larger));
-  }
-  if (v > 0) {
-    alignas(32) float lane_max[8];
-    alignas(32) int32_t lane_at[8];
-    _mm256_store_ps(lane_max, mx);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), at);
-    m = reduce_max8(mx);
-    best = v;
-    for (int l = 0; l < 8; ++l) {
-      if (lane_max[l] == m) best = std::min<int64_t>(best, lane_at[l]);
-    }
-    nan = _mm256_movemask_ps(unordered) != 0;
-  }
-#endif
-  for (; v < V; ++v) {
-    const float y = static_cast<float>(x[v]);
-    nan |= std::isnan(y);
-    if (y > m) m = y, best = v;
-  }
-  if (nan) {
-    for (int64_t j = 0; j < V; ++j) {
-      if (std::isnan(static_cast<float>(x[j]))) return j;
-    }
-  }
-  return best;
-}
-
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 &&
-                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
-                  logits.stride(1) == 1 && logits.size(1) > 0,
-              "argmax_rows: logits must be [rows, vocab > 0] float32 or bfloat16, unit column "
-              "stride");
-  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
-  int64_t* o = out.data_ptr<int64_t>();
-  // Rows in parallel: a batch's rows are independent, and one row of a 50k vocabulary
-  // is microseconds of work, so only several rows are worth a thread's wake-up.
-  auto rows = [&](const auto* x) {
-    at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * stride, V);
-    });
-  };
-  if (logits.scalar_type() == at::kFloat) {
-    rows(logits.const_data_ptr<float>());
-  } else {
-    rows(logits.const_data_ptr<c10::BFloat16>());
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("argmax_rows(Tensor logits) -> Tensor");
-  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor min_p, Tensor bits) -> Tensor");
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
