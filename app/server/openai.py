@@ -85,7 +85,9 @@ class StreamUsage:
         self.completion_tokens = [0] * (len(prompts) * n)
 
     def update(self, i: int, out: RequestOutput) -> None:
-        self.completion_tokens[i] = len(out.token_ids)
+        # The deltas, not len(out.token_ids): that list is the request's own and may
+        # already hold the next step's token when this output is read.
+        self.completion_tokens[i] += len(out.delta_token_ids)
 
     def so_far(self, i: int) -> dict:
         """The extra fields of choice `i`'s chunk: its usage when asked for each chunk."""
