@@ -78,9 +78,9 @@ class SchedulerConfig:
     max_queued_requests: int | None = setting(None, "waiting requests beyond which new ones "
                                               "get 503 (default: unbounded)")
     long_prefill_token_threshold: int = setting(
-        512, "a request's prefill chunk takes at most this many tokens a step, and while "
-        "requests decode all prefill chunks together do, so a long prompt shares its steps "
-        "with waiting and decoding requests (0: no cap; vLLM's name)")
+        512, "a request's prefill chunk takes at most this many tokens a step, so a long "
+        "prompt shares its steps with waiting and decoding requests (0: no cap; vLLM's "
+        "name)")
     preemption_policy: str = setting("newest", "which running request gives up its KV blocks "
                                      "when the pool is full", choices=PREEMPTION_POLICIES)
 

@@ -129,13 +129,12 @@ class Scheduler:
         # A request's prefill chunk is capped by a fixed threshold (vLLM's
         # long_prefill_token_threshold), so a long prompt leaves room in its steps for
         # waiting requests and a short one's first token does not wait for the whole long
-        # prefill. While requests decode, all prefill chunks together are capped by the
-        # threshold too, and by the decoders' TPOT targets.
+        # prefill. Prefill chunks together are capped only by the budget and the decoders'
+        # TPOT targets: spreading a wave of short prompts over more steps slows more of the
+        # decoders' steps (`benchmarks/run_peers.sh` conc32 shows it in TPOT and tokens/s).
         threshold = self.config.long_prefill_token_threshold or budget
         prefill_left = budget
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        if decodes:
-            prefill_left = min(prefill_left, threshold)
         if self.admission is not None:
             cap = self.admission.prefill_budget(self.running, decodes)
             prefill_left = prefill_left if cap is None else min(cap, prefill_left)
