@@ -14,6 +14,7 @@ from app.engine.grammar import StructuredOutput
 from app.server import responses as responses_routes
 from app.server.structured import compiled
 from tests.server_harness import ServerThread, assert_idle_and_clean, tiny_config
+from tests.test_reasoning import _literal
 
 TEXT = "<think>two plus two\nis four</think>\n\nThe answer is 4."
 
@@ -29,7 +30,7 @@ def server(tiny_dir):
 @pytest.fixture
 def client(server, monkeypatch):
     pytest.importorskip("xgrammar")
-    literal = "".join("\\" + ch if ch in "\\.^$*+?()[]{}|/" else ch for ch in TEXT)
+    literal = _literal(TEXT)
     monkeypatch.setattr(responses_routes, "_text_format",
                         lambda req: (StructuredOutput("regex", literal), "text.format"))
 
