@@ -146,8 +146,8 @@ class SequenceCost:
     Step seconds ≈ a + c·seqs + p·(prefill tokens), by least squares over the last
     SEQ_COST_STEPS steps; `c` is the answer. `StepTimeModel` fits one cost per token
     to prefill and decode tokens alike, which suits prefill but not this: on CPU a
-    prefill token costs several decode tokens, and its per-sequence cost stayed at 0
-    while a 35-sequence decode step took six times a one-sequence one."""
+    prefill token costs several decode tokens, so its per-sequence cost can fit near 0
+    while a many-sequence decode step takes several times a one-sequence one."""
 
     def __init__(self) -> None:
         self._rows: deque[tuple[float, float, float]] = deque()
@@ -254,8 +254,9 @@ class AdmissionController:
         to `batch` sequences: the median of the recent steps (what running requests see
         now, other requests' prefill chunks included), plus what the extra sequences
         add (`SequenceCost`). The step-time model alone is no measure of a decode step:
-        on CPU it predicted a 35-sequence decode step of 6 ms at 35 ms, which refused a
-        third of the requests at capacity."""
+        on CPU it can predict a many-sequence decode step several times too long, and
+        then refuses requests a server at capacity could serve
+        (`benchmarks/overload_soak.py` at load 1 shows it)."""
         now, then = (max(1, min(n, self.max_num_seqs)) for n in (running, batch))
         if not self._recent:
             return self.steps.predict(then, then)
