@@ -141,7 +141,9 @@ class EngineConfig:
     served_model_name: str | None = setting(None, "the model name clients use and metrics "
                                             "carry (default: the model's name)")
     dtype: str = setting("auto", "weights dtype, and the KV cache's unless --kv-cache-dtype says "
-                         "otherwise (auto: bfloat16 on CUDA, float32 on CPU)",
+                         "otherwise (auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic, "
+                         "AMX or AVX512-BF16; float32 on other CPUs and with "
+                         "--int8-activations)",
                          choices=DTYPES)
     device: str = setting("auto", "cpu, cuda, cuda:1, ... (auto: CUDA when there is one)")
     seed: int = setting(0, "seed of the generator shared by unseeded requests")

@@ -21,6 +21,7 @@ from gpu.block_table import DeviceBlockTable
 from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
+from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
 from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
     from gpu.graphs import GraphRunner
 
 log = logging.getLogger("ridgeline.runner")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class RunnerSpec:
@@ -77,39 +75,6 @@ class RunnerSpec:
         (`EngineConfig.flat()`), then `overrides` (the resolved model directory)."""
         values = {f.name: flat[f.name] for f in fields(cls) if f.name in flat}
         return cls(**(values | overrides))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    return choose_dtype(name, device)[0]
-
-
-def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype weights and KV are served in, and why (for the start-up log)."""
-    if name != "auto":
-        return DTYPES[name], "asked for with --dtype"
-    if device.type != "cuda":
-        return torch.float32, "auto: float32 on CPU, exact; --dtype bfloat16 halves the memory"
-    if not torch.cuda.is_bf16_supported():
-        return torch.float16, "auto: float16 on a CUDA device without bfloat16"
-    return torch.bfloat16, "auto: bfloat16 on CUDA, half the bytes of float32"
-
-
-def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's dtype: the model's, or bfloat16 under a float32 model on CPU (the C++
-    attention kernels widen it to float32 as they read; elsewhere it is refused, naming
-    why, rather than run in another dtype than asked)."""
-    if name == "auto" or DTYPES.get(name) == dtype:
-        return dtype
-    if name == "bfloat16" and dtype == torch.float32 and device.type == "cpu":
-        return torch.bfloat16
-    raise ValueError(f"--kv-cache-dtype {name} is for a float32 model on CPU; this one is "
-                     f"{str(dtype).removeprefix('torch.')} on {device} (use auto)")
 
 
 def cpu_capabilities(backend_name: str, device: torch.device) -> CpuCapabilities | None:

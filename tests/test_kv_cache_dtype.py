@@ -68,7 +68,7 @@ def test_smollm2_scores_stay_close_to_the_float32_cache() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     scores = {}
     for kv in ("auto", "bfloat16"):
-        llm = build(None, kv_cache_dtype=kv)
+        llm = build(None, dtype="float32", kv_cache_dtype=kv)
         try:
             scores[kv] = llm.generate([text], params)[0].prompt_logprobs[1:]
         finally:

@@ -35,8 +35,9 @@ from app.engine.sampling_params import SamplingParams, out_of_range
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
+from gpu.dtypes import choose_dtype, resolve_device
 from gpu.roofline import StepCost
-from gpu.runner import RunnerSpec, choose_dtype, resolve_device
+from gpu.runner import RunnerSpec
 from gpu.worker import StepFailed, Worker
 from models.config import ModelConfig
 from models.generation_config import GenerationDefaults, load_generation_defaults
@@ -84,7 +85,8 @@ def _usable(defaults: GenerationDefaults) -> GenerationDefaults:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device))
+        dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device),
+                                        int8_activations=config.flat()["int8_activations"])
         dtype_name = str(dtype).removeprefix("torch.")
         self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -100,7 +102,7 @@ class EngineCore:
         self.config = replace(config, scheduler=replace(config.scheduler,
                                                         max_model_len=self.max_model_len))
         self.eos_token_ids = self._eos_ids()
-        self.worker = Worker(RunnerSpec.from_config(self.config.flat(),
+        self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
                                                     model_dir=str(self.model_dir)))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan

@@ -109,7 +109,7 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     (plus a measurement of this machine's peaks when asked)."""
     import torch
 
-    from gpu.runner import DTYPES, choose_dtype, resolve_device, resolve_kv_dtype
+    from gpu.dtypes import DTYPES, choose_dtype, resolve_device, resolve_kv_dtype
     from models.resolve import resolve_model
 
     notes = []
@@ -120,7 +120,8 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
                      "bound (activations and CUDA graphs are measured on the device at start)")
     else:
         device = resolve_device(config.device)
-        dtype = choose_dtype(config.dtype, device)[0]
+        dtype = choose_dtype(config.dtype, device,
+                             int8_activations=config.flat()["int8_activations"])[0]
         total = (torch.cuda.get_device_properties(device).total_memory
                  if device.type == "cuda" and not (config.cache.kv_cache_memory
                                                    or config.cache.num_blocks) else None)
