@@ -58,13 +58,17 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._tracked)
 
-    def advance(self, req: Request, token: int, logprob) -> tuple[str, RequestStatus | None]:
+    def advance(self, req: Request, token: int, logprob, num_output: int | None = None
+                ) -> tuple[str, RequestStatus | None]:
         """Account one new token of `req`: its text delta and, if the token ends the
-        request, the finished status (the caller applies it through the scheduler)."""
+        request, the finished status (the caller applies it through the scheduler).
+        `num_output`: the output tokens up to this one, when a step brought several
+        (speculative decoding; the caller cuts the output after a finishing one)."""
         tracked = self._tracked[req.request_id]
         if tracked.logprobs is not None:
             tracked.logprobs.append(logprob)
-        return self._advance(tracked, token)
+        return self._advance(tracked, token,
+                             req.num_output_tokens if num_output is None else num_output)
 
     def emit(self, req: Request, delta: str, delta_ids: list[int],
              error: str | None = None) -> RequestOutput:
@@ -77,7 +81,8 @@ class OutputProcessor:
         out.error = error
         return out
 
-    def _advance(self, tracked: _Tracked, token: int) -> tuple[str, RequestStatus | None]:
+    def _advance(self, tracked: _Tracked, token: int, num_output: int
+                 ) -> tuple[str, RequestStatus | None]:
         """The token's text delta and whether it finishes the request."""
         req, p = tracked.request, tracked.request.params
         status = None
@@ -91,7 +96,7 @@ class OutputProcessor:
             if token in p.stop_token_ids:
                 tracked.stop_reason = token
             delta = ""  # the stop token itself is not text
-        elif req.num_output_tokens <= p.min_tokens:
+        elif num_output <= p.min_tokens:
             # Like vLLM, stop strings only count once min_tokens are out; text passes as is.
             delta = tracked.detok.add(token)
         else:
@@ -100,7 +105,8 @@ class OutputProcessor:
                 status = RequestStatus.FINISHED_STOPPED
                 tracked.stop_reason = tracked.stop.matched_stop
         if status is None and (
-            req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len
+            num_output >= p.max_tokens
+            or req.num_prompt_tokens + num_output >= self.max_model_len
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not tracked.stop.matched:
