@@ -13,6 +13,7 @@ from app.engine.scheduler import Scheduler
 from app.engine.spec.config import SpeculativeConfig
 from app.engine.spec.ngram import find_drafts
 from app.engine.spec.speculator import Speculator
+from app.engine.stats_logger import format_spec
 from app.engine.table_rows import TableRows
 
 
@@ -117,3 +118,8 @@ def test_speculator_bounds_drafts_and_backs_off():
     assert spec.total.num_drafts == 3 and spec.total.num_accepted_tokens == 0
     assert spec.verify(req, [5, 5], [5, 5, 9]) == [5, 5, 9]
     assert spec.total.accepted_per_pos[:2] == [1, 1]
+
+
+def test_stats_line_words():
+    assert format_spec(4, 20, 10) == (", Draft acceptance rate: 50.0%, "
+                                      "Mean acceptance length: 3.50")
