@@ -17,6 +17,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from app.engine.spec.config import SpeculativeConfig
+
 PREEMPTION_POLICIES = ("newest", "priority", "length")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -193,6 +195,10 @@ class EngineConfig:
         False, "serve without a tokenizer: prompts as token ids only (/generate's input_ids, "
         "/v1/completions' token-id prompts), outputs as token ids with empty text; routes "
         "that need text (chat, text prompts, /tokenize) answer a 400")
+    speculative_config: str | dict | SpeculativeConfig | None = setting(
+        None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; "
+        "output is the same as without it (docs/speculative.md; CPU only for now)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -218,6 +224,8 @@ class EngineConfig:
         if self.skip_tokenizer_init and (self.tokenizer or self.chat_template):
             raise ValueError("skip_tokenizer_init loads no tokenizer: it cannot take "
                              "--tokenizer or --chat-template")
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

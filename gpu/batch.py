@@ -91,7 +91,11 @@ class Batch:
     `query_lens[i]` of them, in order; after this step its KV cache
     holds `context_lens[i]` tokens, laid out along its block table.
     Rows listed in `sample_indices` (sequence indices) get a sampled token;
-    a sequence in the middle of a chunked prefill gets none.
+    a sequence in the middle of a chunked prefill gets none. Under speculative
+    decoding, `spec_lens` (one per entry of `sample_indices`, or empty for none) says
+    how many draft tokens end that sequence's new tokens: each of its last
+    `1 + spec_lens[e]` positions is sampled, in order, with its own row of `sampling`
+    (the event loop compares the picks with the drafts).
 
     Block tables come one of two ways. The engine sends deltas: sequence i reads row
     `table_rows[i]` of the model thread's persistent table, and `table_updates` holds
@@ -106,12 +110,13 @@ class Batch:
     context_lens: list[int]
     block_tables: list[list[int]] | None  # whole tables, or None with table_rows
     sample_indices: list[int]
-    sampling: list[SamplingRow]  # one per entry of sample_indices
+    sampling: list[SamplingRow]  # one per sampled position (see spec_lens)
     table_rows: list[int] | None = None
     # (row, first column, block ids): entries to write before this step runs.
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     # Sequences that want the logprobs of their prompt tokens (echo, prompt_logprobs).
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
+    spec_lens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Invariants the model thread relies on; cheap to check, costly to debug.
@@ -121,7 +126,8 @@ class Batch:
         tables = self.block_tables if self.table_rows is None else self.table_rows
         assert (self.block_tables is None) != (self.table_rows is None), "one kind of table"
         assert len(self.context_lens) == len(self.query_lens) == len(tables)
-        assert len(self.sample_indices) == len(self.sampling)
+        assert len(self.spec_lens) in (0, len(self.sample_indices))
+        assert len(self.sample_indices) + sum(self.spec_lens) == len(self.sampling)
 
     @property
     def num_seqs(self) -> int:
@@ -142,7 +148,7 @@ class Batch:
 class StepResult:
     """Sampled token per entry of `Batch.sample_indices`, plus optional logprobs."""
 
-    token_ids: list[int]  # -1 for a row listed in `failed`
+    token_ids: list[int]  # one per row of `Batch.sampling`; -1 for a row in `failed`
     # Per sampled row: (logprob of the sampled token, [(token_id, logprob), ...]) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     # Sampled rows (positions in `token_ids`) whose sampling failed alone, with the error.

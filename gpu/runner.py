@@ -307,7 +307,7 @@ class ModelRunner:
         result = self._execute(batch)
         if self.device.type == "cuda":  # a step without sampled rows has not synced yet
             torch.cuda.synchronize(self.device)
-        rows = len(batch.sample_indices) + sum(len(p.targets) for p in batch.prompt_logprobs)
+        rows = len(batch.sampling) + sum(len(p.targets) for p in batch.prompt_logprobs)
         result.cost = self.cost.step(batch.query_lens, batch.context_lens, rows,
                                      time.perf_counter() - t0)
         if self.governor is not None:
@@ -333,7 +333,8 @@ class ModelRunner:
             rows = inputs.logit_rows
         result = StepResult([], [])
         if batch.sample_indices:
-            # 2. Logits, only for the rows that sample (the last new token of each).
+            # 2. Logits, only for the rows that sample (the last new token of each, or
+            # every position a speculating sequence's drafts are verified at).
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows],
                                                widen=False)
             # 3. Sampling; its results are the step's one device-to-host copy.

@@ -31,10 +31,14 @@ class StepInputs:
 
 
 def logit_rows(batch: Batch, query_start_loc: list[int]) -> list[int] | None:
-    """The last new token of each sampled sequence; None when that is every row in order."""
+    """The last new token of each sampled sequence (its last `1 + spec_lens[e]` under
+    speculative decoding); None when that is every row in order."""
     if batch.samples_every_row:
         return None
-    return [query_start_loc[i + 1] - 1 for i in batch.sample_indices]
+    if not batch.spec_lens:
+        return [query_start_loc[i + 1] - 1 for i in batch.sample_indices]
+    return [row for i, k in zip(batch.sample_indices, batch.spec_lens)
+            for row in range(query_start_loc[i + 1] - 1 - k, query_start_loc[i + 1])]
 
 
 def whole_tables(batch: Batch) -> tuple[list[int], int]:

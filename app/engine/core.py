@@ -32,9 +32,11 @@ from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.plan import resolve_max_model_len
 from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams, out_of_range
+from app.engine.sampling_rows import sampled_rows, sampling_row, step_rows
 from app.engine.scheduler import Scheduler, SchedulerOutput
+from app.engine.spec.speculator import Speculator
 from app.engine.table_rows import TableRows
-from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow, StepResult
+from gpu.batch import Batch, PromptLogprobsRequest, StepResult
 from gpu.dtypes import choose_dtype, resolve_device
 from gpu.roofline import StepCost
 from gpu.runner import RunnerSpec
@@ -54,25 +56,6 @@ class ScheduledStep(NamedTuple):
     batch: Batch
 
 
-def sampling_row(req: Request, vocab_size: int) -> SamplingRow:
-    """The request's sampling row, built once at admission (see `SamplingRow`).
-
-    Until `min_tokens` are out, the tokens that would end the request are banned.
-    A top_k beyond the vocabulary keeps every token: it is clamped here, so the
-    model thread only ever sees values that fit its tensors."""
-    p = req.params
-    banned = set(req.eos_token_ids) | set(p.stop_token_ids) if p.min_tokens else ()
-    return SamplingRow(
-        temperature=p.temperature, top_p=p.top_p, top_k=min(p.top_k, vocab_size), min_p=p.min_p,
-        seed=p.seed,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, output_token_ids=req.output_token_ids,
-        prompt_token_ids=req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
-        logprobs=p.logprobs, banned_token_ids=tuple(sorted(banned)),
-        logit_bias=tuple((p.logit_bias or {}).items()),
-    )
-
-
 def _usable(defaults: GenerationDefaults) -> GenerationDefaults:
     """The checkpoint's sampling defaults a request could set itself; the others are
     not used, and the log says so."""
@@ -85,7 +68,11 @@ def _usable(defaults: GenerationDefaults) -> GenerationDefaults:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        dtype, dtype_why = choose_dtype(config.dtype, resolve_device(config.device),
+        device = resolve_device(config.device)
+        if config.speculative_config is not None and device.type != "cpu":
+            raise ValueError(f"--speculative-config runs on the CPU path only for now; the "
+                             f"device is {device} (docs/speculative.md)")
+        dtype, dtype_why = choose_dtype(config.dtype, device,
                                         int8_activations=config.flat()["int8_activations"])
         dtype_name = str(dtype).removeprefix("torch.")
         self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
@@ -115,7 +102,9 @@ class EngineCore:
         self.kv_events = self._kv_event_publisher(KVEventsConfig.parse(cache.kv_events_config))
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched, self.blocks, self.admission)
+        spec = self.config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(sched, self.blocks, self.admission, self.speculator)
         # Block tables reach the model thread as deltas to its persistent rows.
         self.table_rows = TableRows(sched.max_num_seqs)
         self._submitted_at = 0.0
@@ -240,12 +229,14 @@ class EngineCore:
         slots: list[int] = []
         qlens, ctx_lens, tables, sample_idx, rows = [], [], [], [], []
         scoring: list[PromptLogprobsRequest] = []
+        spec_lens: list[int] = []  # drafts per sampled sequence
         now = time.monotonic()
         for i, seq in enumerate(out.seqs):
             req, start, n = seq.request, seq.start, seq.num_new_tokens
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
-            token_ids += req.tokens_slice(start, start + n)
+            token_ids += req.tokens_slice(start, start + seq.num_known_tokens)
+            token_ids += seq.drafts
             positions += range(start, start + n)
             slots += self.blocks.slots(req.request_id, start, start + n)
             qlens.append(n)
@@ -253,25 +244,16 @@ class EngineCore:
             tables.append((req.request_id, self.blocks.block_table(req.request_id)))
             if seq.samples:
                 sample_idx.append(i)
-                rows.append(self._update_row(req))
+                rows += step_rows(req, seq.drafts, self.grammars)
+                spec_lens.append(len(seq.drafts))
             if req.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
                 targets = req.prompt_token_ids[start + 1:min(start + n + 1,
                                                              req.num_prompt_tokens)]
                 scoring.append(PromptLogprobsRequest(i, targets, req.params.prompt_logprobs))
         table_rows, table_updates = self.table_rows.assign(tables)
         return Batch(token_ids, positions, slots, qlens, ctx_lens, None, sample_idx, rows,
-                     table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring)
-
-    def _update_row(self, req: Request) -> SamplingRow:
-        """Bring the request's row up to this step: only the output index and the bans
-        change (no step is in flight while this runs, so the model thread is not reading)."""
-        row = req.sampling
-        row.output_index = req.num_output_tokens
-        if row.banned_token_ids and req.num_output_tokens >= req.params.min_tokens:
-            row.banned_token_ids = ()  # for good: the output never shrinks
-        if req.grammar is not None:  # a fresh tensor: the last step's may still be read
-            row.allowed = self.grammars.fill(req.grammar)
-        return row
+                     table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring,
+                     spec_lens=spec_lens if any(spec_lens) else [])
 
     def shed_expired(self) -> list[RequestOutput]:
         """Final outputs of waiting requests that can no longer make their deadline."""
@@ -294,33 +276,43 @@ class EngineCore:
             if seq.is_prefill:
                 prompt_tokens += seq.num_new_tokens
                 seq.request.num_prefilled += seq.num_new_tokens
-        logprobs_by_req = {}
-        if result.logprobs:
-            sampled = [s.request.request_id for s in out.seqs if s.samples]
-            logprobs_by_req = dict(zip(sampled, result.logprobs))
         for i, scores in result.prompt_logprobs.items():
             seq = out.seqs[i]
             got = seq.request.prompt_logprobs
             if got is not None:  # positions already scored (before a preemption) stay
                 got.extend(scores[max(0, len(got) - seq.start - 1):])
         # Rows whose sampling failed on their own: those requests end with an error now.
-        sampled = [s.request for s in out.seqs if s.samples]
-        outputs = [self._fail(sampled[i], message) for i, message in result.failed.items()]
-        for req in self.scheduler.update(out, result.token_ids):
+        # A speculating sequence keeps the drafts the target agreed with, then its pick.
+        outputs, kept, picks = [], [], {}
+        for seq, (tokens, logprobs, error) in sampled_rows(out.seqs, result):
+            req = seq.request
+            if error is not None:
+                outputs.append(self._fail(req, error))
+            elif seq.drafts and not req.is_finished:
+                tokens = self.speculator.verify(req, seq.drafts, tokens)
+            kept.append(tokens)
+            picks[req.request_id] = (tokens, logprobs)
+        generated = 0
+        got_tokens = self.scheduler.update(out, kept)
+        for seq in out.seqs:  # blocks of rejected drafts went back: resend what regrows
+            if seq.drafts:
+                rid = seq.request.request_id
+                self.table_rows.trim(rid, len(self.blocks.block_table(rid)))
+        for req in got_tokens:
             if req.request_id not in self.outputs:
                 continue
             if req.times.first_token is None:
                 req.times.first_token = now
-            token = req.output_token_ids[-1]
-            delta, status = self.outputs.advance(req, token, logprobs_by_req.get(req.request_id))
+            delta, tokens, status = self.outputs.advance(req, *picks[req.request_id])
+            generated += len(tokens)
             if status is RequestStatus.FINISHED_ERROR:  # the token left the request's grammar
-                outputs.append(self._fail(req, f"token {token} is outside the grammar"))
+                outputs.append(self._fail(req, f"token {tokens[-1]} is outside the grammar"))
                 continue
             if status is not None:
                 self.scheduler.finish(req, status)
-            outputs.append(self.outputs.emit(req, delta, [token]))
+            outputs.append(self.outputs.emit(req, delta, tokens))
         self.publish_kv_events()
-        return StepOutputs(outputs, self._stats(prompt_tokens, len(outputs), out, result.cost))
+        return StepOutputs(outputs, self._stats(prompt_tokens, generated, out, result.cost))
 
     def fail_step(self, out: SchedulerOutput, error: BaseException) -> StepOutputs:
         """The model thread could not run this step (but can run the next): every request
@@ -340,6 +332,11 @@ class EngineCore:
         work = {} if cost is None else dict(model_seconds=cost.seconds, flops=cost.flops,
                                             bytes_read=cost.bytes_read,
                                             bytes_written=cost.bytes_written)
+        if self.speculator is not None:
+            c = self.speculator.take_counts()
+            work |= dict(spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
+                         spec_num_accepted_tokens=c.num_accepted_tokens,
+                         spec_accepted_per_pos=tuple(c.accepted_per_pos))
         return StepStats(prompt_tokens, generation_tokens, len(out.preempted), len(s.running),
                          len(s.waiting), self.blocks.usage, out.prefix_queried, out.prefix_hit,
                          **work)

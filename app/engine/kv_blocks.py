@@ -184,14 +184,29 @@ class BlockManager:
         if not table:
             return 0
         for block in reversed(table):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._num_referenced -= 1
-                if self._name[block] is not None:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            self._unref(block)
         return len(table)
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Let go of the request's blocks past its first `num_tokens` tokens (those that
+        held only rejected draft tokens); returns how many. Such tail blocks were never
+        full of computed tokens, so never named: they go back to the free list."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        dropped = 0
+        while table and len(table) > keep:
+            self._unref(table.pop())
+            dropped += 1
+        return dropped
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._num_referenced -= 1
+            if self._name[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def _ref(self, block: int) -> None:
         if self._refs[block] == 0:

@@ -132,6 +132,16 @@ class Metrics:
                                  "(weights, KV), from their shapes")
         self._est_write = counter("estimated_write_bytes_per_gpu_total", "Bytes the steps "
                                   "wrote (KV), from their shapes")
+        # -- vLLM's: speculative decoding (counted only while it is on)
+        self._spec_drafts = counter("spec_decode_num_drafts", "Verified draft sequences")
+        self._spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens "
+                                          "verified")
+        self._spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the "
+                                      "target accepted")
+        self._spec_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by their position in the draft",
+                                     labels + ["position"], registry=r)
+        self._spec_pos_children: list = []
         # -- Ridgeline's own
         # Prefill spent on requests that ended with no answer (the client left, or the
         # request failed): what admission by deadline exists to avoid.
@@ -218,10 +228,22 @@ class Metrics:
             self._est_flops.inc(stats.flops)
             self._est_read.inc(stats.bytes_read)
             self._est_write.inc(stats.bytes_written)
+        if stats.spec_num_drafts:
+            self._record_spec(stats)
         if pos is not None:
             (self._prefill_mfu.observe(pos.mfu) if pos.prefill
              else self._decode_mbu.observe(pos.mbu))
             self._intensity.observe(pos.intensity)
+
+    def _record_spec(self, stats: StepStats) -> None:
+        self._spec_drafts.inc(stats.spec_num_drafts)
+        self._spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self._spec_accepted.inc(stats.spec_num_accepted_tokens)
+        children = self._spec_pos_children
+        while len(children) < len(stats.spec_accepted_per_pos):  # resolved once each
+            children.append(self._spec_per_pos.labels(self.model, ENGINE, str(len(children))))
+        for child, n in zip(children, stats.spec_accepted_per_pos):
+            child.inc(n)
 
     def admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self.model, reason).inc()

@@ -58,13 +58,25 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._tracked)
 
-    def advance(self, req: Request, token: int, logprob) -> tuple[str, RequestStatus | None]:
-        """Account one new token of `req`: its text delta and, if the token ends the
-        request, the finished status (the caller applies it through the scheduler)."""
+    def advance(self, req: Request, tokens: list[int], logprobs: list
+                ) -> tuple[str, list[int], RequestStatus | None]:
+        """Account the step's new tokens of `req` (already in its output; several under
+        speculative decoding) one by one: their text delta, the tokens delivered, and
+        the finished status if one of them ends the request (the caller applies it
+        through the scheduler). The output is cut after a finishing token, so a stop or
+        `max_tokens` is never passed."""
         tracked = self._tracked[req.request_id]
-        if tracked.logprobs is not None:
-            tracked.logprobs.append(logprob)
-        return self._advance(tracked, token)
+        before = req.num_output_tokens - len(tokens)
+        text = []
+        for j, token in enumerate(tokens):
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(logprobs[j])
+            delta, status = self._advance(tracked, token, before + j + 1)
+            text.append(delta)
+            if status is not None:
+                del req.output_token_ids[before + j + 1:]
+                return "".join(text), tokens[:j + 1], status
+        return "".join(text), tokens, None
 
     def emit(self, req: Request, delta: str, delta_ids: list[int],
              error: str | None = None) -> RequestOutput:
@@ -77,7 +89,8 @@ class OutputProcessor:
         out.error = error
         return out
 
-    def _advance(self, tracked: _Tracked, token: int) -> tuple[str, RequestStatus | None]:
+    def _advance(self, tracked: _Tracked, token: int, num_output: int
+                 ) -> tuple[str, RequestStatus | None]:
         """The token's text delta and whether it finishes the request."""
         req, p = tracked.request, tracked.request.params
         status = None
@@ -91,7 +104,7 @@ class OutputProcessor:
             if token in p.stop_token_ids:
                 tracked.stop_reason = token
             delta = ""  # the stop token itself is not text
-        elif req.num_output_tokens <= p.min_tokens:
+        elif num_output <= p.min_tokens:
             # Like vLLM, stop strings only count once min_tokens are out; text passes as is.
             delta = tracked.detok.add(token)
         else:
@@ -100,7 +113,8 @@ class OutputProcessor:
                 status = RequestStatus.FINISHED_STOPPED
                 tracked.stop_reason = tracked.stop.matched_stop
         if status is None and (
-            req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len
+            num_output >= p.max_tokens
+            or req.num_prompt_tokens + num_output >= self.max_model_len
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not tracked.stop.matched:

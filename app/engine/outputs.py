@@ -65,6 +65,12 @@ class StepStats:
     flops: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    # Speculative decoding: the step's verifications (vLLM's spec_decode_* counts);
+    # accepted_per_pos[i]: drafts at position i the target accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass

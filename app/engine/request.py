@@ -85,6 +85,7 @@ class Request:
     # first position has none (None).
     prompt_logprobs: list | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher, with params.structured
+    spec: Any = None  # its drafting record under speculative decoding (`SpecProgress`)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,11 +15,19 @@ stay cached) and goes back to the front of the waiting queue, to recompute later
 
 Blocks of a request aborted while its step is in flight are freed only when
 that step's results come back (`update`), never while a kernel may write them.
+
+Speculative decoding (`app/engine/spec/`): a decoding request may carry draft tokens
+after its one known token. They take budget and blocks like any new token, but only
+if they fit without preempting anyone; they never enter the request's tokens, so
+block names (and the prefix cache) see only real tokens. After the step the cache
+counts the drafts the target accepted, and the blocks that held only rejected ones go
+back to the pool.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
@@ -27,6 +35,7 @@ from app.engine.admission import AdmissionController
 from app.engine.errors import QueueFull
 from app.engine.kv_blocks import BlockManager
 from app.engine.request import Request, RequestStatus
+from app.engine.spec.speculator import Speculator
 
 
 @dataclass
@@ -35,11 +44,18 @@ class ScheduledSeq:
     start: int  # num_computed_tokens when scheduled
     num_new_tokens: int
     samples: bool  # this chunk reaches the end of the known tokens: sample the next one
+    drafts: list[int] = field(default_factory=list)  # after the known ones, to verify
 
     @property
     def is_prefill(self) -> bool:
-        """Anything but one decode token (recomputes after preemption included)."""
-        return not (self.num_new_tokens == 1 and self.samples)
+        """Anything but one decode token and its drafts (recomputes after preemption
+        included)."""
+        return not (self.num_new_tokens == 1 + len(self.drafts) and self.samples)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The new tokens that are the request's own (not drafts)."""
+        return self.num_new_tokens - len(self.drafts)
 
 
 @dataclass
@@ -61,10 +77,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
-                 admission: AdmissionController | None = None):
+                 admission: AdmissionController | None = None,
+                 speculator: Speculator | None = None):
         self.config = config
         self.blocks = blocks
         self.admission = admission  # None: admit by memory and caps alone
+        self.speculator = speculator  # None: no speculative decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # monotonic; metrics read deltas
@@ -139,6 +157,7 @@ class Scheduler:
             cap = self.admission.prefill_budget(self.running, decodes)
             prefill_left = prefill_left if cap is None else min(cap, prefill_left)
         scheduled: dict[str, ScheduledSeq] = {}
+        drafts = self.speculator.propose(self.running) if self.speculator is not None else {}
 
         def take(req: Request) -> int:
             """Tokens `req` may compute this step: one to decode, or a prefill chunk."""
@@ -155,6 +174,8 @@ class Scheduler:
             num_new = take(req)
             if num_new == 0:
                 continue  # a prefill chunk with no room this step
+            draft = self._fit(req, drafts.get(req.request_id), budget) if num_new == 1 else []
+            num_new += len(draft)
             while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + num_new):
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
@@ -168,7 +189,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.blocks.allocate(req.request_id, req.num_computed_tokens + num_new)
-            seq = scheduled[req.request_id] = self._seq(req, num_new)
+            seq = scheduled[req.request_id] = self._seq(req, num_new, draft)
             budget -= num_new
             prefill_left -= num_new if seq.is_prefill else 0
 
@@ -206,6 +227,19 @@ class Scheduler:
         self._in_flight = set(scheduled)
         return out
 
+    def _fit(self, req: Request, draft: list[int] | None, budget: int) -> list[int]:
+        """The part of `draft` that fits this step beside the request's known token:
+        within the budget and the free blocks, never at the price of a preemption."""
+        if not draft:
+            return []
+        draft = draft[:budget - 1]
+        # Blocks stay free for every running request's next token first.
+        room = self.blocks.num_free_blocks - len(self.running)
+        while draft and self.blocks.num_new_blocks_needed(
+                req.request_id, req.num_computed_tokens + 1 + len(draft)) > room:
+            draft = draft[:-1]
+        return draft
+
     def _waiting_order(self) -> list[Request]:
         if self.config.preemption_policy == "priority":
             return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
@@ -227,7 +261,7 @@ class Scheduler:
             return set()
         out: set[int] = set()
         for seq in seqs:
-            end = seq.start + seq.num_new_tokens
+            end = seq.start + seq.num_known_tokens
             req = seq.request
             names = self.blocks.block_names(req.tokens_slice, req.block_names, end,
                                             req.params.cache_salt)
@@ -246,22 +280,30 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_SHED)
         return shed
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance progress with the step's results; returns requests that got a token.
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | Sequence[int]]
+               ) -> list[Request]:
+        """Advance progress with the step's results; returns requests that got tokens.
 
-        `sampled` has one token per seq with `samples` True, in `out.seqs` order.
+        `sampled` has one entry per seq with `samples` True, in `out.seqs` order: its
+        token, or for a seq with drafts the tokens verification kept (the accepted
+        drafts, then the target's next token).
         """
         got_token = []
         it = iter(sampled)
         for seq in out.seqs:
-            token = next(it) if seq.samples else None
+            tokens = next(it) if seq.samples else ()
+            tokens = (tokens,) if isinstance(tokens, int) else tokens
             req = seq.request
             if req.is_finished:  # aborted while the step was in flight
                 continue
-            req.num_computed_tokens = seq.start + seq.num_new_tokens
+            # The accepted drafts' K/V stay: they are the first of the kept tokens.
+            accepted = max(0, len(tokens) - 1) if seq.drafts else 0
+            req.num_computed_tokens = seq.start + seq.num_known_tokens + accepted
+            req.output_token_ids.extend(tokens)
+            if seq.drafts:  # blocks that held only rejected drafts go back
+                self.blocks.trim(req.request_id, req.num_computed_tokens + 1)
             self._register_full_blocks(req)
-            if token is not None:
-                req.output_token_ids.append(token)
+            if tokens:
                 got_token.append(req)
         self.release_in_flight()
         return got_token
@@ -277,9 +319,10 @@ class Scheduler:
             req.num_registered_blocks = full
 
     @staticmethod
-    def _seq(req: Request, num_new: int) -> ScheduledSeq:
-        start = req.num_computed_tokens
-        return ScheduledSeq(req, start, num_new, start + num_new == req.num_tokens)
+    def _seq(req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        start, drafts = req.num_computed_tokens, drafts or []
+        return ScheduledSeq(req, start, num_new, start + num_new - len(drafts) == req.num_tokens,
+                            drafts)
 
     def release_in_flight(self) -> None:
         """The step in flight failed: nothing will write its blocks any more."""

@@ -29,6 +29,7 @@ class StatsLogger:
     def _reset(self) -> None:
         self._prompt = self._gen = self._preempt = self._queries = self._hits = 0
         self._decode, self._prefill = PhaseTotals(), PhaseTotals()
+        self._drafts = self._drafted = self._accepted = 0
 
     def record(self, stats: StepStats, force: bool = False) -> str | None:
         """Add one step's counts; log the line when the interval has passed."""
@@ -37,6 +38,9 @@ class StatsLogger:
         self._preempt += stats.preemptions
         self._queries += stats.prefix_cache_queries
         self._hits += stats.prefix_cache_hits
+        self._drafts += stats.spec_num_drafts
+        self._drafted += stats.spec_num_draft_tokens
+        self._accepted += stats.spec_num_accepted_tokens
         if stats.model_seconds > 0:
             (self._prefill if is_prefill(stats) else self._decode).add(stats)
         now = time.monotonic()
@@ -46,6 +50,8 @@ class StatsLogger:
         hit_rate = self._hits / self._queries if self._queries else None
         line = format_stats(self._prompt / elapsed, self._gen / elapsed, stats.num_running,
                             stats.num_waiting, self._preempt, stats.kv_cache_usage, hit_rate)
+        if self._drafts:
+            line += format_spec(self._drafts, self._drafted, self._accepted)
         if self.peaks is not None:
             line += format_roofline(self._decode, self._prefill, self.peaks)
         self._last = now
@@ -68,6 +74,13 @@ def format_stats(prompt_tps: float, gen_tps: float, running: int, waiting: int,
     if prefix_hit_rate is not None:  # vLLM's words; shown when requests started
         parts.append(f"Prefix cache hit rate: {prefix_hit_rate * 100:.1f}%")
     return ", ".join(parts)
+
+
+def format_spec(drafts: int, drafted: int, accepted: int) -> str:
+    """`, Draft acceptance rate: 62.5%, Mean acceptance length: 3.50` (vLLM's words: the
+    mean counts the target's own token, so 1.00 means no draft was kept)."""
+    return (f", Draft acceptance rate: {accepted / drafted * 100:.1f}%, "
+            f"Mean acceptance length: {1 + accepted / drafts:.2f}")
 
 
 def format_roofline(decode: PhaseTotals, prefill: PhaseTotals, peaks: DevicePeaks) -> str:

@@ -15,6 +15,9 @@ Rules, all decided here on the event loop:
   freed and allocated again: `BlockManager.block_table` returns the live list, whose
   identity lasts until `free`), or shrank. Cached prefix blocks at the start of a table
   are ordinary entries.
+- A table cut at its tail (`BlockManager.trim`: the blocks of rejected drafts) is
+  reported with `trim`: the entries before the cut stand, and whatever grows there
+  again is sent, even when the table is back to its old length by the next step.
 - Whoever rewrites entries already sent (say, a sliding window that swaps freed blocks
   for a null block) calls `invalidate`, and the next step resends the row whole.
 """
@@ -56,6 +59,12 @@ class TableRows:
                 held.sent = len(table)
             rows.append(held.row)
         return rows, updates
+
+    def trim(self, request_id: str, length: int) -> None:
+        """The request's table was cut to `length` entries: send anything past them."""
+        held = self._held.get(request_id)
+        if held is not None:
+            held.sent = min(held.sent, length)
 
     def invalidate(self, request_id: str) -> None:
         """Entries already sent for this request changed: resend its row whole."""
