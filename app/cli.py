@@ -27,8 +27,10 @@ def add_settings(p: argparse.ArgumentParser, *classes: type, title: str) -> None
             g.add_argument(*flags, dest=f.name, action=action, default=default,
                            help=meta["help"])
             continue
+        many = kind.startswith("tuple[")  # a list of values: --lora-modules a=x b=y
         g.add_argument(*flags, dest=f.name, type=_TYPES.get(kind, str), default=default,
-                       choices=meta["choices"], help=meta["help"] + shown)
+                       choices=meta["choices"], help=meta["help"] + shown,
+                       nargs="+" if many else None)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

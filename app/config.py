@@ -137,6 +137,39 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (docs/lora.md); vLLM's flags and defaults."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters: a request's `model` names one "
+                                "(CPU only for now)")
+    lora_modules: tuple[str, ...] | None = setting(
+        None, "adapters to load at start: name=path, or vLLM's JSON {\"name\": ..., "
+        "\"path\": ..., \"base_model_name\": ...}; each a PEFT directory")
+    max_loras: int = setting(1, "most adapters in one step (the model thread's slots)")
+    max_lora_rank: int = setting(16, "largest rank an adapter may have (a 400 at load beyond)")
+    max_cpu_loras: int | None = setting(None, "adapters kept read in host memory, least "
+                                        "recently used out (default: --max-loras)")
+    lora_allowed_dirs: tuple[str, ...] | None = setting(
+        None, "directories /v1/load_lora_adapter may read adapters from (default: those "
+        "holding the --lora-modules adapters; none given: no runtime loading)")
+
+    def __post_init__(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        for name in ("lora_modules", "lora_allowed_dirs"):
+            value = getattr(self, name)
+            if value is not None:  # one entry, or a list, from a flag or a caller
+                object.__setattr__(self, name, (value,) if isinstance(value, str | dict)
+                                   else tuple(value))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = setting(None, "HF directory or .gguf file (default: the embedded "
                                 "SmolLM2-135M-Instruct)")
@@ -201,6 +234,7 @@ class EngineConfig:
         "output is the same as without it (docs/speculative.md; CPU only for now)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -334,7 +368,8 @@ class ServerSettings:
         return cls(**{k: v for k, v in flat.items() if k in _names(cls)})
 
 
-_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig,
+                              "lora": LoRAConfig}
 
 
 def _names(cls: type) -> set[str]:

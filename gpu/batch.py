@@ -117,6 +117,9 @@ class Batch:
     # Sequences that want the logprobs of their prompt tokens (echo, prompt_logprobs).
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
     spec_lens: list[int] = field(default_factory=list)
+    # Per sequence, its LoRA adapter's id (0: the base model); empty when no sequence of
+    # the step has one (`gpu/lora.py`).
+    lora_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Invariants the model thread relies on; cheap to check, costly to debug.
@@ -127,6 +130,7 @@ class Batch:
         assert (self.block_tables is None) != (self.table_rows is None), "one kind of table"
         assert len(self.context_lens) == len(self.query_lens) == len(tables)
         assert len(self.spec_lens) in (0, len(self.sample_indices))
+        assert len(self.lora_ids) in (0, len(self.query_lens))
         assert len(self.sample_indices) + sum(self.spec_lens) == len(self.sampling)
 
     @property

@@ -22,6 +22,7 @@ from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
+from gpu.lora import LoRASlots
 from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
@@ -68,6 +69,10 @@ class RunnerSpec:
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
+    enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`; CPU only for now)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     @classmethod
     def from_config(cls, flat: Mapping[str, Any], **overrides: Any) -> RunnerSpec:
@@ -209,6 +214,7 @@ class ModelRunner:
             model.load_weights(checkpoint)
         del checkpoint  # the mapped files
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)
+        self.loras = self._lora_slots()
         self.graph_sizes = self._graph_sizes()  # decode buckets to capture; [] when eager
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
         self.peaks: DevicePeaks = measure_peaks(
@@ -255,6 +261,16 @@ class ModelRunner:
         self.tables = DeviceBlockTable(spec.max_num_seqs, max_blocks, self.device)
         self.staging = Staging(self.device)
         self.graphs = self._capture_graphs()
+
+    def _lora_slots(self) -> LoRASlots | None:
+        spec = self.spec
+        if not spec.enable_lora:
+            return None
+        if self.device.type != "cpu":
+            raise ValueError(f"--enable-lora runs on the CPU path only for now; the device is "
+                             f"{self.device} (docs/lora.md)")
+        return LoRASlots(self.model, spec.max_loras, spec.max_lora_rank,
+                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device)
 
     def _auto_sized(self) -> bool:
         """True when the pool takes what the GPU has left (no explicit size given)."""
@@ -329,7 +345,11 @@ class ModelRunner:
             inputs = stage_eager_step(batch, self.staging, self.tables, self.spec.block_size)
             ctx = StepContext(self.backend, self.backend.prepare(inputs.attention),
                               self.k_caches, self.v_caches)
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            if self.loras is None or not batch.lora_ids:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            else:
+                with self.loras.step(batch.lora_ids, batch.query_lens, self.device):
+                    hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             rows = inputs.logit_rows
         result = StepResult([], [])
         if batch.sample_indices:

@@ -17,7 +17,9 @@ import logging
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from gpu.batch import Batch, StepResult
 from gpu.runner import ModelRunner, RunnerSpec
@@ -99,6 +101,16 @@ class Worker:
         self._inbox.put((batch, fut))
         return fut
 
+    def call(self, fn: Callable[[ModelRunner], Any]) -> Future:
+        """Run `fn(runner)` on the model thread between steps (loading or dropping a LoRA
+        adapter); its exception, if any, is the future's and leaves the thread running."""
+        fut: Future = Future()
+        if not self.alive:
+            fut.set_exception(WorkerDead(f"model thread is not running: {self.error!r}"))
+            return fut
+        self._inbox.put((fn, fut))
+        return fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout)
@@ -118,6 +130,12 @@ class Worker:
                 break
             batch, fut = item
             if not fut.set_running_or_notify_cancel():
+                continue
+            if not isinstance(batch, Batch):  # a `call`: not a step, never fatal
+                try:
+                    fut.set_result(batch(runner))
+                except Exception as e:
+                    fut.set_exception(e)
                 continue
             try:
                 fut.set_result(runner.execute(batch))

@@ -27,6 +27,7 @@ from app.engine.errors import InvalidParameter
 from app.engine.grammar import GrammarLimits, GrammarService
 from app.engine.kv_blocks import BlockManager
 from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
+from app.engine.loras import lora_id, start_registry
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.plan import resolve_max_model_len
@@ -95,6 +96,7 @@ class EngineCore:
         self.kv_plan = runner.plan
         self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
         self.dtype = str(runner.dtype).removeprefix("torch.")
+        self.loras = start_registry(self.config.lora, self.worker, [config.model_name])
         self.kv_dtype = str(runner.kv_dtype).removeprefix("torch.")  # --kv-cache-dtype
         cache = self.config.cache
         self.blocks = BlockManager(self.kv_plan.num_blocks, cache.block_size,
@@ -104,7 +106,7 @@ class EngineCore:
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         spec = self.config.speculative_config
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
-        self.scheduler = Scheduler(sched, self.blocks, self.admission, self.speculator)
+        self.scheduler = Scheduler(sched, self.blocks, self.admission, self.speculator, self.loras)
         # Block tables reach the model thread as deltas to its persistent rows.
         self.table_rows = TableRows(sched.max_num_seqs)
         self._submitted_at = 0.0
@@ -183,6 +185,7 @@ class EngineCore:
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
             priority=priority,
             arrival_seq=self._arrivals,
+            lora_id=lora_id(self.loras, params.lora_name),
         )
         req.sampling = sampling_row(req, self.model_config.vocab_size)
         if params.prompt_logprobs is not None:
@@ -253,7 +256,17 @@ class EngineCore:
         table_rows, table_updates = self.table_rows.assign(tables)
         return Batch(token_ids, positions, slots, qlens, ctx_lens, None, sample_idx, rows,
                      table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring,
-                     spec_lens=spec_lens if any(spec_lens) else [])
+                     spec_lens=spec_lens if any(spec_lens) else [],
+                     lora_ids=[s.request.lora_id for s in out.seqs] if self.loras else [])
+
+    def unload_lora(self, name: str) -> list[RequestOutput]:
+        """Stop serving an adapter; its requests end with an error (docs/lora.md)."""
+        gone = lora_id(self.loras, name) and self.loras.remove(name).lora_id  # 404 unless served
+        self.worker.call(lambda r: r.loras.remove(gone))  # after the step in flight
+        live = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.lora_id == gone]
+        for req in live:  # out of the queue or the batch; blocks freed, or after the step
+            self.scheduler.abort(req)
+        return [self.outputs.emit(r, "", [], error=f"adapter {name} was unloaded") for r in live]
 
     def shed_expired(self) -> list[RequestOutput]:
         """Final outputs of waiting requests that can no longer make their deadline."""

@@ -119,12 +119,12 @@ class BlockManager:
         return hits
 
     def register(self, request_id: str, names: Sequence[int], start_block: int,
-                 end_block: int, tokens: Callable[[int, int], Sequence[int]] | None = None
-                 ) -> None:
+                 end_block: int, tokens: Callable[[int, int], Sequence[int]] | None = None,
+                 lora_id: int = 0) -> None:
         """Name the request's blocks [start_block, end_block), now full: later prompts
         may share them. A name already held by another block keeps that block. With an
         event log, each run of newly named blocks is a `BlockStored` (`tokens(a, b)`
-        slices the request's token ids)."""
+        slices the request's token ids; `lora_id` tags it with the request's adapter)."""
         if not self.enable_caching:
             return
         table = self._tables[request_id]
@@ -136,16 +136,16 @@ class BlockManager:
                 self._index[name] = block
                 run.append(i)
             elif run:
-                self._stored(names, run, tokens)
+                self._stored(names, run, tokens, lora_id)
                 run = []
         if run:
-            self._stored(names, run, tokens)
+            self._stored(names, run, tokens, lora_id)
 
-    def _stored(self, names: Sequence[int], run: list[int], tokens) -> None:
+    def _stored(self, names: Sequence[int], run: list[int], tokens, lora_id: int) -> None:
         if self.events is not None and tokens is not None:
             first, last, bs = run[0], run[-1], self.block_size
             self.events.stored([names[i] for i in run], names[first - 1] if first else None,
-                               list(tokens(first * bs, (last + 1) * bs)))
+                               list(tokens(first * bs, (last + 1) * bs)), lora_id or None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every name: cached blocks become free; blocks in use are no longer

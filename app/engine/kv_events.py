@@ -106,10 +106,11 @@ class KVEventLog:
     block_size: int
     events: list[dict[str, Any]] = field(default_factory=list)
 
-    def stored(self, names: list[int], parent: int | None, token_ids: list[int]) -> None:
+    def stored(self, names: list[int], parent: int | None, token_ids: list[int],
+               lora_id: int | None = None) -> None:
         self.events.append({"type": "BlockStored", "block_hashes": [unsigned(n) for n in names],
                             "parent_block_hash": unsigned(parent), "token_ids": token_ids,
-                            "block_size": self.block_size, "lora_id": None, "medium": "GPU",
+                            "block_size": self.block_size, "lora_id": lora_id, "medium": "GPU",
                             "lora_name": None})
 
     def removed(self, names: list[int]) -> None:

@@ -86,6 +86,14 @@ class Request:
     prompt_logprobs: list | None = None
     grammar: Any = None  # an xgrammar GrammarMatcher, with params.structured
     spec: Any = None  # its drafting record under speculative decoding (`SpecProgress`)
+    lora_id: int = 0  # its LoRA adapter (`app/engine/loras.py`); 0: the base model
+
+    @property
+    def cache_key(self) -> Any:
+        """What its prefix-cache block names are keyed by besides tokens: the cache salt,
+        and the adapter (KV computed under one adapter is never another's)."""
+        salt = self.params.cache_salt
+        return salt if not self.lora_id else (salt, "lora", self.lora_id)
 
     @property
     def num_prompt_tokens(self) -> int:

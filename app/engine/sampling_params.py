@@ -72,6 +72,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     structured: StructuredOutput | None = None  # the output must match this grammar
     cache_salt: str | None = None  # prefix-cache blocks are shared only within one salt
+    lora_name: str | None = None  # the LoRA adapter to generate with (None: the base model)
     n: int = field(default=1)
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from app.config import SchedulerConfig
 from app.engine.admission import AdmissionController
 from app.engine.errors import QueueFull
 from app.engine.kv_blocks import BlockManager
+from app.engine.loras import LoRARegistry
 from app.engine.request import Request, RequestStatus
 from app.engine.spec.speculator import Speculator
 
@@ -78,11 +79,13 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
                  admission: AdmissionController | None = None,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, loras: LoRARegistry | None = None):
         self.config = config
         self.blocks = blocks
         self.admission = admission  # None: admit by memory and caps alone
         self.speculator = speculator  # None: no speculative decoding
+        # Distinct LoRA adapters a step may hold (None: no adapters are served).
+        self.max_loras = loras.config.max_loras if loras is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0  # monotonic; metrics read deltas
@@ -196,11 +199,16 @@ class Scheduler:
         # Admit waiting requests (preempted ones were put at the front) unless
         # something was just preempted: admitting now would only thrash.
         computing = self._names_computed_by(scheduled.values())
+        # LoRA: the running requests' adapters, which a step must not hold more than
+        # max_loras of; a waiting request for another adapter waits for room.
+        loras = {r.lora_id for r in self.running} - {0} if self.max_loras else set()
         for req in self._waiting_order() if not out.preempted else ():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self.admission is not None and not self.admission.can_join(req, self.running):
                 break  # one more sequence would break a TPOT target
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
+                continue
             hits = self._prefix_hits(req)
             names = req.block_names
             if len(names) > len(hits) and names[len(hits)] in computing:
@@ -219,6 +227,8 @@ class Scheduler:
             budget -= num_new
             prefill_left -= num_new if seq.is_prefill else 0
             out.num_admitted += 1
+            if req.lora_id:
+                loras.add(req.lora_id)
             out.prefix_queried += req.num_tokens
             out.prefix_hit += req.num_computed_tokens
             computing |= self._names_computed_by([seq])
@@ -252,7 +262,7 @@ class Scheduler:
         if not self.blocks.enable_caching or req.params.prompt_logprobs is not None:
             return []
         names = self.blocks.block_names(req.tokens_slice, req.block_names, req.num_tokens - 1,
-                                        req.params.cache_salt)
+                                        req.cache_key)
         return self.blocks.match_prefix(names)
 
     def _names_computed_by(self, seqs) -> set[int]:
@@ -264,7 +274,7 @@ class Scheduler:
             end = seq.start + seq.num_known_tokens
             req = seq.request
             names = self.blocks.block_names(req.tokens_slice, req.block_names, end,
-                                            req.params.cache_salt)
+                                            req.cache_key)
             out.update(names[seq.start // self.blocks.block_size:end // self.blocks.block_size])
         return out
 
@@ -313,9 +323,9 @@ class Scheduler:
         full = req.num_computed_tokens // self.blocks.block_size
         if self.blocks.enable_caching and full > req.num_registered_blocks:
             names = self.blocks.block_names(req.tokens_slice, req.block_names,
-                                            req.num_computed_tokens, req.params.cache_salt)
+                                            req.num_computed_tokens, req.cache_key)
             self.blocks.register(req.request_id, names, req.num_registered_blocks, full,
-                                 req.tokens_slice)
+                                 req.tokens_slice, req.lora_id)
             req.num_registered_blocks = full
 
     @staticmethod

@@ -1,0 +1,223 @@
+"""LoRA adapters on the model thread: a host cache, slots, and the per-step delta.
+
+Every adaptable linear (q/k/v, o, gate/up, down: `models/lora.py` says how HF's parts
+land in our fused ones) is wrapped in a `LoRALinear` that holds one stacked pair per
+linear, `A [max_loras, R, in]` and `Bt [max_loras, R, out]` (R: `--max-lora-rank`
+times the parts the linear fuses; a slot's unused ranks are zero and never read). A
+step's rows are grouped by the slot of their sequence's adapter, and each linear adds
+`(x[rows] @ A_slot^T) @ Bt_slot` to its base output for each group: Punica's segmented
+idea with one pair of matmuls per adapter present. A sequence's tokens are contiguous,
+so a group of one sequence is a slice; groups of several sequences gather and
+scatter-add their rows. A step without LoRA rows, and a linear the batch's adapters
+do not adapt, run the base layer alone.
+
+The slots hold the adapters of the step in flight (at most `--max-loras`, which the
+scheduler guarantees); the host cache holds up to `--max-cpu-loras` parsed adapters
+(least recently used out, read again from disk when needed). Adapter ids come from the
+event loop, which never reuses one, so a slot or cache entry can never be mistaken for
+a later adapter of the same name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.lora import AdapterError, adaptable, read_adapter
+
+log = logging.getLogger("ridgeline.lora")
+
+ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Group:
+    """The rows of one slot in this step: a slice when contiguous, else an index."""
+
+    slot: int
+    rows: slice | torch.Tensor
+
+
+class StepLoRA:
+    """The groups of the step running now; set only inside `LoRASlots.step`."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] | None = None
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus, for the rows of the current step's groups, their adapter's
+    low-rank delta."""
+
+    def __init__(self, base: nn.Module, current: StepLoRA, max_loras: int, rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base = base
+        self.current = current
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.A = torch.zeros(max_loras, rank, self.in_features, dtype=dtype, device=device)
+        self.Bt = torch.zeros(max_loras, rank, self.out_features, dtype=dtype, device=device)
+        self.ranks = [0] * max_loras  # per slot: 0 where its adapter leaves this linear alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        groups = self.current.groups
+        if groups is None:
+            return y
+        for g in groups:
+            r = self.ranks[g.slot]
+            if not r:
+                continue
+            a, bt = self.A[g.slot, :r], self.Bt[g.slot, :r]
+            if isinstance(g.rows, slice):
+                y[g.rows] += (x[g.rows] @ a.T) @ bt
+            else:
+                y.index_add_(0, g.rows, (x.index_select(0, g.rows) @ a.T) @ bt)
+        return y
+
+    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if pair is None:
+            self.ranks[slot] = 0
+            return
+        a, b = pair
+        r = a.shape[0]
+        self.A[slot].zero_()
+        self.Bt[slot].zero_()
+        self.A[slot, :r] = a
+        self.Bt[slot, :r] = b.T
+        self.ranks[slot] = r
+
+
+class LoRASlots:
+    """The model thread's adapters: registered paths, the host cache, the slots."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device):
+        self.max_loras, self.max_rank, self.max_cpu = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype = dtype
+        self.targets, fused = adaptable(model, ADAPTABLE)
+        self.current = StepLoRA()
+        self.layers: dict[str, LoRALinear] = {}
+        for prefix, parent in list(model.named_modules()):
+            for name, child in list(parent.named_children()):
+                if name in ADAPTABLE:
+                    full = f"{prefix}.{name}" if prefix else name
+                    layer = LoRALinear(child, self.current, max_loras,
+                                       max_lora_rank * fused[full], dtype, device)
+                    setattr(parent, name, layer)
+                    self.layers[full] = layer
+        self.shapes = {n: (m.out_features, m.in_features) for n, m in self.layers.items()}
+        self.paths: dict[int, str] = {}  # every adapter the engine has registered
+        self.cache: OrderedDict[int, Pairs] = OrderedDict()  # least recently used first
+        self.slot_of: dict[int, int] = {}
+        self.slot_lru: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
+        nbytes = sum(m.A.nbytes + m.Bt.nbytes for m in self.layers.values())
+        log.info("LoRA: %d linears adaptable, %d slots of rank up to %d (x the parts a fused "
+                 "linear holds): %.1f MiB", len(self.layers), max_loras, max_lora_rank,
+                 nbytes / 2**20)
+
+    # -- adapters ------------------------------------------------------------------
+
+    def add(self, lora_id: int, path: str) -> int:
+        """Read and check the adapter, keep it in the host cache; returns its largest rank.
+        Raises AdapterError for anything that cannot be served."""
+        pairs = self._read(path)
+        self.paths[lora_id] = path
+        self._cache(lora_id, pairs)
+        return max(a.shape[0] for a, _ in pairs.values())
+
+    def remove(self, lora_id: int) -> None:
+        self.paths.pop(lora_id, None)
+        self.cache.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.write(slot, None)
+
+    def _read(self, path: str) -> Pairs:
+        return read_adapter(path, self.targets, self.shapes, self.max_rank, self.dtype)
+
+    def _cache(self, lora_id: int, pairs: Pairs) -> None:
+        self.cache[lora_id] = pairs
+        self.cache.move_to_end(lora_id)
+        while len(self.cache) > self.max_cpu:
+            self.cache.popitem(last=False)
+
+    def _pairs(self, lora_id: int) -> Pairs:
+        pairs = self.cache.get(lora_id)
+        if pairs is None:  # left the host cache: read again
+            if lora_id not in self.paths:
+                raise AdapterError(f"LoRA adapter id {lora_id} is not loaded")
+            pairs = self._read(self.paths[lora_id])
+        self._cache(lora_id, pairs)
+        return pairs
+
+    def _slot(self, lora_id: int, keep: set[int]) -> int:
+        """The adapter's slot, writing it into one (a free one, else the least recently
+        used one whose adapter is not in this step) if it holds none."""
+        slot = self.slot_of.get(lora_id)
+        if slot is None:
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                owner = {s: i for i, s in self.slot_of.items()}
+                slot = next(s for s in self.slot_lru if owner[s] not in keep)
+                del self.slot_of[owner[slot]]
+            pairs = self._pairs(lora_id)
+            for name, layer in self.layers.items():
+                layer.write(slot, pairs.get(name))
+            self.slot_of[lora_id] = slot
+        self.slot_lru[slot] = None
+        self.slot_lru.move_to_end(slot)
+        return slot
+
+    # -- a step --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, lora_ids: list[int], query_lens: list[int],
+             device: torch.device) -> Iterator[None]:
+        """Within it, the adapted linears add each row's adapter delta. `lora_ids`: per
+        sequence (0: the base model), or empty for a step without adapters."""
+        if self.current.groups is not None:
+            raise RuntimeError("LoRA steps do not nest")
+        groups = self.groups(lora_ids, query_lens, device) if any(lora_ids) else None
+        self.current.groups = groups
+        try:
+            yield
+        finally:
+            self.current.groups = None
+
+    def groups(self, lora_ids: list[int], query_lens: list[int],
+               device: torch.device) -> list[Group]:
+        keep = set(lora_ids) - {0}
+        if len(keep) > self.max_loras:
+            raise ValueError(f"a step holds {len(keep)} adapters; --max-loras is "
+                             f"{self.max_loras}")
+        rows: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for lora_id, n in zip(lora_ids, query_lens):
+            if lora_id:
+                spans = rows.setdefault(self._slot(lora_id, keep), [])
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + n)
+                else:
+                    spans.append((start, start + n))
+            start += n
+        out = []
+        for slot, spans in rows.items():
+            if len(spans) == 1:
+                out.append(Group(slot, slice(*spans[0])))
+            else:
+                index = [i for a, b in spans for i in range(a, b)]
+                out.append(Group(slot, torch.tensor(index, dtype=torch.long, device=device)))
+        return out
