@@ -26,6 +26,7 @@ from app.engine.errors import (
     RequestShed,
 )
 from app.engine.input_processor import InputProcessor
+from app.engine.loras import LoRAAdapter, adapters_in_use, stats_note
 from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
 from app.engine.plan import cache_config_info, plan_report
@@ -124,6 +125,8 @@ class AsyncEngine:
                                 core.peaks)
         self.roofline = RooflineTracker(core.peaks)
         self.stats = StatsLogger(log_stats_interval, core.peaks)
+        if core.loras is not None:
+            self.stats.note = lambda: stats_note(core.loras, core.scheduler.running)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -246,6 +249,27 @@ class AsyncEngine:
         self.metrics.record_step(self.core.idle_stats())  # gauges: the pool just shrank
         return True
 
+    # -- LoRA adapters (app/engine/loras.py) ----------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read an adapter on the model thread (between steps) and serve it under `name`;
+        a 400 (InvalidParameter) for a bad name, path or adapter."""
+        loras = self.core.loras
+        if loras is None:
+            raise InvalidParameter("lora_name", "this server was started without "
+                                   "--enable-lora")
+        adapter = loras.begin(name, path)
+        read = self.core.worker.call(lambda r: r.loras.add(adapter.lora_id, adapter.path))
+        await asyncio.wait([asyncio.wrap_future(read)])
+        return loras.finish(adapter, read)
+
+    async def unload_lora(self, name: str) -> int:
+        """Stop serving an adapter; its waiting and running requests end with an error.
+        Returns how many."""
+        outputs = self.core.unload_lora(name)
+        await self._dispatch(outputs)
+        return len(outputs)
+
     # -- the loop -------------------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -312,6 +336,10 @@ class AsyncEngine:
     def _record(self, stats: StepStats) -> None:
         position = self.roofline.record(stats)
         self.metrics.record_step(stats, position)
+        if (loras := self.core.loras) is not None:
+            s = self.core.scheduler
+            self.metrics.set_lora(*adapters_in_use(loras, s.running, s.waiting),
+                                  loras.config.max_loras)
         self.stats.record(stats)
 
     async def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -16,6 +16,11 @@ class InvalidParameter(EngineError, ValueError):
         self.param = param
 
 
+class AdapterNotFound(EngineError):
+    """No LoRA adapter (and no model) of that name is served (404, OpenAI's
+    `model_not_found`)."""
+
+
 class QueueFull(EngineError):
     """Refused at arrival: the queue is at max_queued_requests (`reason` "queue_full"), or
     the request could not start before its deadline ("deadline"). 503 + Retry-After."""

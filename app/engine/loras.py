@@ -25,11 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import LoRAConfig
-from app.engine.errors import EngineError, InvalidParameter
-
-
-class AdapterNotFound(EngineError):
-    """No adapter (and no model) of that name is served (404)."""
+from app.engine.errors import AdapterNotFound, InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -154,3 +150,19 @@ def lora_id(registry: LoRARegistry | None, name: str | None) -> int:
     if registry is None:
         raise AdapterNotFound(f"The model `{name}` does not exist.")
     return registry.get(name).lora_id
+
+
+def adapters_in_use(registry: LoRARegistry, running, waiting) -> tuple[str, str]:
+    """The adapters of the running and of the waiting requests, as vLLM's
+    `lora_requests_info` labels them (names, comma-separated, sorted)."""
+    def names(requests) -> str:
+        ids = {r.lora_id for r in requests} - {0}
+        return ",".join(sorted(registry.by_id[i].name for i in ids if i in registry.by_id))
+    return names(running), names(waiting)
+
+
+def stats_note(registry: LoRARegistry, running) -> str:
+    """`, LoRA adapters: 3 loaded, running a,b` for the periodic stats line."""
+    active = adapters_in_use(registry, running, ())[0]
+    return (f", LoRA adapters: {len(registry.adapters)} loaded"
+            + (f", running {active}" if active else ""))

@@ -125,6 +125,8 @@ class Metrics:
         for reason in ADMISSION_REASONS:
             self.admission_rejections.labels(model_name, reason)
         self.cache_config_info: Gauge | None = None  # labels known at start: set_static
+        self._lora_info: Gauge | None = None  # with --enable-lora: set_lora
+        self._lora_labels: tuple[str, str] | None = None
         # -- vLLM's --enable-mfu-metrics counters, always on: they cost three additions.
         self._est_flops = counter("estimated_flops_per_gpu_total", "FLOPs of the steps, "
                                   "from their shapes (gpu/roofline.py)")
@@ -189,6 +191,20 @@ class Metrics:
         if peaks is not None:
             self._peak_bw.set(peaks.bandwidth)
             self._peak_flops.set(peaks.flops)
+
+    def set_lora(self, running: str, waiting: str, max_lora: int) -> None:
+        """vLLM's `lora_requests_info`: the adapters of running and of waiting requests
+        as labels (comma-separated names), the value the time they last changed."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(P + "lora_requests_info", "Running stats on LoRA "
+                                    "requests (labels: adapters running and waiting)",
+                                    ["running_lora_adapters", "waiting_lora_adapters",
+                                     "max_lora"], registry=self.registry)
+        if (running, waiting) == self._lora_labels:
+            return
+        self._lora_labels = (running, waiting)
+        self._lora_info.clear()  # one series: the current sets
+        self._lora_info.labels(running, waiting, str(max_lora)).set_to_current_time()
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition and its content type, in the format the `Accept` header asks

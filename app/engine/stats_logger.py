@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from app.engine.outputs import StepStats
 from app.engine.roofline import PhaseTotals, is_prefill
@@ -24,6 +25,7 @@ class StatsLogger:
         self.interval = interval
         self.peaks = peaks
         self._last = time.monotonic()
+        self.note: Callable[[], str] | None = None  # more for the line (the LoRA adapters)
         self._reset()
 
     def _reset(self) -> None:
@@ -54,6 +56,8 @@ class StatsLogger:
             line += format_spec(self._drafts, self._drafted, self._accepted)
         if self.peaks is not None:
             line += format_roofline(self._decode, self._prefill, self.peaks)
+        if self.note is not None:
+            line += self.note()
         self._last = now
         self._reset()
         log.info(line)

@@ -29,7 +29,15 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.async_engine import AsyncEngine
 from app.engine.core import EngineCore
 from app.engine.kv_events import KVEventsConfig, exposure_warning
-from app.server import anthropic, native, openai, openai_chat, openai_completions, responses
+from app.server import (
+    anthropic,
+    lora_routes,
+    native,
+    openai,
+    openai_chat,
+    openai_completions,
+    responses,
+)
 from app.server.auth import authorize
 from app.server.body_checks import check_body
 from app.server.errors import APIError, api_error
@@ -210,6 +218,10 @@ ROUTES = [
     Route("/reset_prefix_cache", endpoint(reset_prefix_cache, needs_body=False,
                                           operator=True), methods=["POST"]),
     Route("/plan", endpoint(plan, needs_body=False), methods=["GET"]),
+    Route("/v1/load_lora_adapter", endpoint(lora_routes.load_lora_adapter, operator=True),
+          methods=["POST"]),
+    Route("/v1/unload_lora_adapter", endpoint(lora_routes.unload_lora_adapter, operator=True),
+          methods=["POST"]),
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from app.engine.errors import (
+    AdapterNotFound,
     EngineDead,
     InvalidParameter,
     QueueFull,
@@ -77,6 +78,8 @@ def api_error(e: Exception, retry_after_seconds: int = 1) -> APIError | None:
         return e
     if isinstance(e, InvalidParameter):
         return APIError(400, str(e), e.param)
+    if isinstance(e, AdapterNotFound):
+        return APIError(404, str(e), "model", "invalid_request_error", "model_not_found")
     if isinstance(e, QueueFull | RequestShed):
         wait = e.retry_after if e.retry_after is not None else retry_after_seconds
         code = e.reason if isinstance(e, QueueFull) else "shed"

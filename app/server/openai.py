@@ -20,11 +20,17 @@ from app.server.state import engine, state
 
 
 async def models(request: Request, body: None) -> JSONResponse:
-    core = engine(request).core
-    return JSONResponse({"object": "list", "data": [{
-        "id": state(request).model_names[0], "object": "model", "created": now(),
-        "owned_by": "ridgeline", "root": state(request).model_names[0],
-        "max_model_len": core.max_model_len}]})
+    """The served model, then each LoRA adapter with the model as its `parent` and its
+    directory as `root` (vLLM's shape)."""
+    core, base = engine(request).core, state(request).model_names[0]
+    created = now()
+    data = [{"id": base, "object": "model", "created": created, "owned_by": "ridgeline",
+             "root": base, "parent": None, "max_model_len": core.max_model_len}]
+    for a in (core.loras.adapters.values() if core.loras is not None else ()):
+        data.append({"id": a.name, "object": "model", "created": created,
+                     "owned_by": "ridgeline", "root": a.path, "parent": base,
+                     "max_model_len": core.max_model_len})
+    return JSONResponse({"object": "list", "data": data})
 
 
 def response_id(prefix: str, call_id: str, request_id: str | None) -> str:

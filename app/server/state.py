@@ -53,12 +53,18 @@ def engine(request: Request) -> AsyncEngine:
 
 
 def check_model(request: Request, model: str | None) -> str:
-    """The served name to answer with; 404 for a model this server does not serve."""
-    names = state(request).model_names
-    if model is not None and model not in names:
-        raise APIError(404, f"The model `{model}` does not exist.", "model",
-                       "invalid_request_error", "model_not_found")
-    return names[0]
+    """The served name to answer with; 404 for a model this server does not serve. A
+    LoRA adapter's name is answered with, and noted on the request for `queue_all`."""
+    st = state(request)
+    names = st.model_names
+    if model is None or model in names:
+        return names[0]
+    loras = st.engine.core.loras if st.engine is not None else None
+    if loras is not None and model in loras.adapters:
+        request.state.lora_name = model
+        return model
+    raise APIError(404, f"The model `{model}` does not exist.", "model",
+                   "invalid_request_error", "model_not_found")
 
 
 def default_max_tokens(request: Request, requested: int | None, prompt_len: int) -> int:

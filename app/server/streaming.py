@@ -57,6 +57,8 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
     The client's own `request_id`/`rid` is only a `label` for the log lines (when
     sane, like `x-request-id`) and the admin's abort: two clients may send the same."""
     st = state(request)
+    if (lora := getattr(request.state, "lora_name", None)) is not None:  # `check_model`
+        params = replace(params, lora_name=lora)
     n = params.n
     if params.stop:
         st.engine.inputs.need_tokenizer("stop")  # stop strings are matched in the text
