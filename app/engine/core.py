@@ -27,7 +27,7 @@ from app.engine.errors import InvalidParameter
 from app.engine.grammar import GrammarLimits, GrammarService
 from app.engine.kv_blocks import BlockManager
 from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
-from app.engine.loras import lora_id, start_registry
+from app.engine.loras import batch_lora_ids, lora_id, start_registry
 from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.plan import resolve_max_model_len
@@ -257,7 +257,7 @@ class EngineCore:
         return Batch(token_ids, positions, slots, qlens, ctx_lens, None, sample_idx, rows,
                      table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring,
                      spec_lens=spec_lens if any(spec_lens) else [],
-                     lora_ids=[s.request.lora_id for s in out.seqs] if self.loras else [])
+                     lora_ids=batch_lora_ids(out.seqs) if self.loras else [])
 
     def unload_lora(self, name: str) -> list[RequestOutput]:
         """Stop serving an adapter; its requests end with an error (docs/lora.md)."""

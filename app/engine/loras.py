@@ -166,3 +166,10 @@ def stats_note(registry: LoRARegistry, running) -> str:
     active = adapters_in_use(registry, running, ())[0]
     return (f", LoRA adapters: {len(registry.adapters)} loaded"
             + (f", running {active}" if active else ""))
+
+
+def batch_lora_ids(seqs) -> list[int]:
+    """Per scheduled sequence, its adapter's id; empty when none has one, so a step of
+    base-model rows alone runs the base linears alone."""
+    ids = [s.request.lora_id for s in seqs]
+    return ids if any(ids) else []
