@@ -189,3 +189,35 @@ def test_metrics_say_which_adapters_run(server, built):
     text = httpx.get(server.url + "/metrics").text
     assert metric(text, "lora_requests_info", 'max_lora="3"') > 0
     assert 'running_lora_adapters=""' in text  # idle now
+
+
+def test_bench_serve_spreads_requests_over_adapters(server, tmp_path):
+    """`ridgeline bench serve --lora-modules a1 a2 a3`: every request names one of them,
+    all succeed, and the server ran requests of more than one adapter."""
+    import json
+
+    from app.cli import main
+
+    seen: set[int] = set()
+    core = server.engine.core
+    schedule = core.schedule
+
+    def spy():
+        step = schedule()
+        if step is not None:
+            seen.update(step.batch.lora_ids)
+        return step
+
+    server.call(setattr, core, "schedule", spy)
+    try:
+        code = main(["bench", "serve", "--base-url", server.url, "--api-key", CLIENT,
+                     "--num-prompts", "12", "--input-len", "16", "--output-len", "4",
+                     "--ignore-eos", "--max-concurrency", "6", "--lora-modules", "a1", "a2",
+                     "a3", "--no-plots", "--result-dir", str(tmp_path),
+                     "--metrics-interval", "0.1"])
+    finally:
+        server.call(delattr, core, "schedule")
+    assert code == 0
+    r = json.loads((tmp_path / "serve.json").read_text())
+    assert r["completed"] == 12 and r["failed"] == 0
+    assert len(seen - {0}) >= 2

@@ -31,6 +31,7 @@ import random
 import re
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from app.bench.progress import Progress
@@ -95,11 +96,12 @@ async def _exchange(client: AsyncClient, a: argparse.Namespace, spec: RequestSpe
     if not chat and a.logprobs is not None:
         extra["logprobs"] = a.logprobs
     extra |= a.extra_body or {}
+    model = spec.model or a.model  # an adapter's name under --lora-modules
     if chat:
-        call = client.chat([{"role": "user", "content": spec.prompt}], model=a.model,
+        call = client.chat([{"role": "user", "content": spec.prompt}], model=model,
                            max_tokens=spec.output_len, stream=stream, headers=headers, **extra)
     else:
-        call = client.completions(spec.prompt, model=a.model, max_tokens=spec.output_len,
+        call = client.completions(spec.prompt, model=model, max_tokens=spec.output_len,
                                   stream=stream, headers=headers, **extra)
     if not stream:
         done = await call
@@ -210,6 +212,9 @@ async def benchmark(a: argparse.Namespace) -> dict | None:
         if not specs:
             print("no requests to send")
             return None
+        if a.lora_modules:  # each request names an adapter at random (vLLM's benchmark)
+            rng = random.Random(a.seed)
+            specs = [replace(s, model=rng.choice(a.lora_modules)) for s in specs]
         test = RequestSpec(specs[0].prompt, 0, min(4, a.output_len))
         warm = await ready(client, a, test)
         if not warm.success:

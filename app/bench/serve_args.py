@@ -34,6 +34,9 @@ def add_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--model", default=None, help="default: the server's first model")
     v.add_argument("--served-model-name", default=None,
                    help="the name sent in requests, when it differs from --model")
+    v.add_argument("--lora-modules", nargs="+", default=None,
+                   help="LoRA adapters the server serves: each request names one at random "
+                   "(seeded by --seed) instead of --model (vLLM's flag)")
     v.add_argument("--tokenizer", default=None,
                    help="count prompt tokens locally with this HF tokenizer (needs the "
                    "engine extra); default: the server's /tokenize")

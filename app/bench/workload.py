@@ -29,6 +29,7 @@ class RequestSpec:
     prompt: str
     prompt_len: int
     output_len: int
+    model: str | None = None  # None: the run's --model (else a LoRA adapter's name)
 
 
 class TokenCounter:
