@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from app.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.loras import lora_id
 from app.engine.outputs import RequestOutput
 from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ class LLM:
         token_lists = [self._encode(p) for p in prompts]
         for ids, sp in zip(token_lists, params):
             self.engine.validate(ids, sp)  # all or nothing: fail before queueing any
+            lora_id(self.engine.loras, sp.lora_name)  # an adapter not served: AdapterNotFound
 
         order: dict[str, int] = {}
         for i, (ids, sp) in enumerate(zip(token_lists, params)):

@@ -172,8 +172,10 @@ def test_unknown_adapter_is_refused(built):
     llm = serve(base, {"qv": dirs["qv"]})
     try:
         with pytest.raises(AdapterNotFound, match="does not exist"):
-            llm.generate([prompts[0]], SamplingParams(**GREEDY, lora_name="nope"),
+            llm.generate(prompts[:2], [SamplingParams(**GREEDY, lora_name="qv"),
+                                       SamplingParams(**GREEDY, lora_name="nope")],
                          use_tqdm=False)
+        assert not llm.engine.has_work  # all or nothing: the good one was not queued
     finally:
         llm.shutdown()
 
