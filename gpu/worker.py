@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future
 
 from gpu.batch import Batch, StepResult
+from gpu.draft import DraftJob, DraftModel
 from gpu.runner import ModelRunner, RunnerSpec
 
 log = logging.getLogger("ridgeline.worker")
@@ -99,6 +100,11 @@ class Worker:
         self._inbox.put((batch, fut))
         return fut
 
+    def draft(self, job: DraftJob) -> Future[list[list[int]]]:
+        """The draft model's guesses for `job` (speculative decoding's `draft_model`),
+        computed on this thread between steps."""
+        return self.submit(job)  # type: ignore[arg-type]
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout)
@@ -110,6 +116,15 @@ class Worker:
             self.error = e
             self._ready.set_exception(e)
             return
+        draft = None
+        if spec.draft_model_dir is not None:
+            try:
+                draft = DraftModel(spec.draft_model_dir, runner.dtype, runner.device,
+                                   spec.max_model_len)
+            except BaseException as e:
+                self.error = e
+                self._ready.set_exception(e)
+                return
         self._ready.set_result(runner)
         failures = 0
         while True:
@@ -120,7 +135,8 @@ class Worker:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(runner.execute(batch))
+                fut.set_result(draft.propose(batch) if isinstance(batch, DraftJob)
+                               else runner.execute(batch))
                 failures = 0
             except BaseException as e:
                 failures += 1
