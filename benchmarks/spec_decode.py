@@ -1,19 +1,28 @@
-"""Speculative decoding (n-gram) against plain decoding on SmolLM2, in one process.
+"""Speculative decoding (ngram, suffix, draft_model) against plain decoding on
+SmolLM2, in one process.
 
-    python benchmarks/spec_decode.py [--rounds 3] [--max-tokens 256] [OUT.json]
+    python benchmarks/spec_decode.py [--methods ngram,suffix] [--loads repeat,agent]
+        [--draft-model DIR] [--rounds 3] [--max-tokens 256] [OUT.json]
 
-Two engines over the same model, one with `--speculative-config` and one without,
-alternate round by round, so host noise hits both alike. Loads:
+Engines over the same model, one without speculation and one per method, alternate
+round by round (the order reversed every other round), so host noise hits all alike.
+Each round takes its code from another file of this repository, so what suffix
+decoding's global tree learnt in an earlier round is no answer to this one. Loads:
 - `repeat`: one user, greedy, a ~1,000-token prompt (code from this repository) that
   the answer largely repeats ("repeat this code with the variable renamed"); time per
   output token (decode time / (tokens - 1)) and the outputs' identity;
+- `agent`: one user in an agent-like loop: the code, then `--turns` turns that each
+  resend the whole history (the earlier answers included) with one more small change
+  asked; time per output token over the turns;
 - `random8`: 8 users at once, random-token prompts, a fixed number of tokens each
   (`ignore_eos`): output tokens per second, where speculation must back off (the
   default `disable_by_batch_size` is 8) and cost nothing;
 - `random1`: one user, a random-token prompt: acceptance is low, the per-request
   back-off must keep time per output token as without speculation.
-Reports per load the median of each engine's rounds and their ratio, the drafts and
-acceptance, and the host CPU.
+Reports per load the median of each engine's rounds and its ratio to plain decoding,
+the drafts and acceptance, and the host CPU (model name and AMX / AVX-512 flags).
+`draft_model` runs with `--draft-model` (any model sharing SmolLM2's vocabulary; the
+target itself by default, which shows the method's cost more than its gain).
 """
 
 from __future__ import annotations
@@ -30,21 +39,51 @@ from pathlib import Path
 from app import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 5}
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
+}
+FILES = ["app/engine/kv_blocks.py", "app/engine/scheduler.py", "app/engine/core.py",
+         "app/engine/output_processor.py", "app/engine/admission.py"]
+RENAMES = [("req", "request"), ("seq", "sequence"), ("out", "result"), ("self", "this")]
 
 
-def repeat_prompt(llm: LLM, tokens: int = 1000) -> list[int]:
-    """A chat prompt asking to repeat ~`tokens` of real code with one name changed."""
-    code = (ROOT / "app/engine/kv_blocks.py").read_text()
-    ids = llm.tokenizer.encode(code)[:tokens]
-    snippet = llm.tokenizer.decode(ids)
-    ask = ("Repeat the following Python code exactly, but rename the variable `table` to "
-           "`blocks_of`. Output only the code.\n\n" + snippet)
-    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": ask}],
-                                             add_generation_prompt=True, tokenize=True)
+def code_of(llm: LLM, round_: int, tokens: int) -> str:
+    code = (ROOT / FILES[round_ % len(FILES)]).read_text()
+    return llm.tokenizer.decode(llm.tokenizer.encode(code)[:tokens])
+
+
+def chat(llm: LLM, messages: list[dict]) -> list[int]:
+    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True)
     # The answer starts the code block, as a model that follows the ask would.
-    return chat + llm.tokenizer.encode("```python\n")
+    return ids + llm.tokenizer.encode("```python\n")
+
+
+def repeat_prompt(llm: LLM, round_: int, tokens: int = 1000) -> list[int]:
+    """A chat prompt asking to repeat ~`tokens` of real code with one name changed."""
+    ask = ("Repeat the following Python code exactly, but rename the variable `table` to "
+           "`blocks_of`. Output only the code.\n\n" + code_of(llm, round_, tokens))
+    return chat(llm, [{"role": "user", "content": ask}])
+
+
+def agent_loop(llm: LLM, round_: int, turns: int, params: SamplingParams) -> list:
+    """Turns that resend the history with one more rename asked; the outputs."""
+    code = code_of(llm, round_, 500)
+    messages = [{"role": "user", "content": "Here is a Python file. Output it with "
+                 f"`{RENAMES[0][0]}` renamed to `{RENAMES[0][1]}`, only the code.\n\n"
+                 + code}]
+    outs = []
+    for t in range(turns):
+        out = llm.generate([chat(llm, messages)], params, use_tqdm=False)[0]
+        outs.append(out)
+        old, new = RENAMES[(t + 1) % len(RENAMES)]
+        messages += [{"role": "assistant", "content": "```python\n" + out.text},
+                     {"role": "user", "content": f"Good. Now also rename `{old}` to "
+                      f"`{new}` and output the whole file again."}]
+    return outs
 
 
 def tpot(out) -> float:
@@ -54,45 +93,66 @@ def tpot(out) -> float:
 
 
 def cpu_model() -> str:
+    """lscpu's model name and the AMX / AVX-512 flags that decide the CPU path's kernels."""
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines
+                 if ln.startswith("Model name:")), platform.processor())
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("Flags:")), [])
+    isa = sorted(f for f in flags if f.startswith(("amx", "avx512")))
+    return f"{name} [{' '.join(isa) or 'no amx/avx512'}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?", default="bench_results/spec_decode.json")
+    ap.add_argument("--methods", default="ngram,suffix")
+    ap.add_argument("--loads", default="repeat,agent,random8,random1")
+    ap.add_argument("--draft-model", default=None, help="draft_model's model (default: "
+                    "the target itself)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--random-tokens", type=int, default=64)
-    ap.add_argument("--speculative-config", default=json.dumps(SPEC))
     a = ap.parse_args()
-    common = dict(max_model_len=2048, enable_prefix_caching=False)
-    engines = {"plain": LLM(**common),
-               "ngram": LLM(speculative_config=a.speculative_config, **common)}
-    prompt = repeat_prompt(engines["plain"])
+    common = dict(max_model_len=4096, enable_prefix_caching=False)
+    engines = {"plain": LLM(**common)}
+    specs = {}
+    for method in a.methods.split(","):
+        specs[method] = dict(SPECS[method])
+        if method == "draft_model":
+            specs[method]["model"] = a.draft_model or str(engines["plain"].engine.model_dir)
+        engines[method] = LLM(speculative_config=specs[method], **common)
     rng = random.Random(0)
     randoms = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(8)]
     greedy = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     fixed = SamplingParams(max_tokens=a.random_tokens, temperature=0.0, ignore_eos=True)
-    loads = {"repeat": ([prompt], greedy), "random8": (randoms, fixed),
-             "random1": (randoms[:1], fixed)}
+    plain = engines["plain"]
+
+    def run(name: str, llm: LLM, r: int) -> list:
+        if name == "repeat":
+            return llm.generate([repeat_prompt(plain, r)], greedy, use_tqdm=False)
+        if name == "agent":
+            return agent_loop(llm, r, a.turns, greedy)
+        return llm.generate(randoms if name == "random8" else randoms[:1], fixed,
+                            use_tqdm=False)
+
+    loads = a.loads.split(",")
     results: dict = {name: {e: [] for e in engines} for name in loads}
-    texts: dict = {}
+    same: dict = {name: {e: True for e in engines} for name in loads}
     for r in range(a.rounds):
-        for name, (prompts, params) in loads.items():
+        for name in loads:
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            texts = {}
             for e in order:
                 llm = engines[e]
                 spec = llm.engine.speculator
                 before = (spec.total.num_drafts, spec.total.num_draft_tokens,
                           spec.total.num_accepted_tokens) if spec else (0, 0, 0)
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = run(name, llm, r)
                 wall = time.perf_counter() - t0
                 tokens = sum(len(o.token_ids) for o in outs)
                 after = (spec.total.num_drafts, spec.total.num_draft_tokens,
@@ -102,25 +162,29 @@ def main() -> None:
                     "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
                     "drafts": after[0] - before[0], "draft_tokens": after[1] - before[1],
                     "accepted_tokens": after[2] - before[2]})
-                texts.setdefault(name, {})[e] = [o.token_ids for o in outs]
+                texts[e] = [o.token_ids for o in outs]
+            for e in engines:
+                same[name][e] &= texts[e] == texts["plain"]
             print(name, r, {e: round(v[-1]["tpot_s"] * 1e3, 2) for e, v in results[name].items()},
                   flush=True)
     summary = {}
     for name, by_engine in results.items():
         med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
                for e, runs in by_engine.items()}
-        summary[name] = {
-            "median": med,
-            "tpot_ratio_ngram_over_plain": med["ngram"]["tpot_s"] / med["plain"]["tpot_s"],
-            "throughput_ratio_ngram_over_plain":
-                med["ngram"]["output_tokens_per_s"] / med["plain"]["output_tokens_per_s"],
-            "same_tokens": texts[name]["ngram"] == texts[name]["plain"],
-        }
+        summary[name] = {"median": med}
+        for e in specs:
+            summary[name][e] = {
+                "tpot_ratio": med[e]["tpot_s"] / med["plain"]["tpot_s"],
+                "throughput_ratio": med[e]["output_tokens_per_s"]
+                / med["plain"]["output_tokens_per_s"],
+                "acceptance": med[e]["accepted_tokens"] / max(1, med[e]["draft_tokens"]),
+                "same_tokens": same[name][e]}
     report = {"cpu": cpu_model(), "rounds": a.rounds, "max_tokens": a.max_tokens,
-              "speculative_config": json.loads(a.speculative_config),
-              "repeat_prompt_tokens": len(prompt), "summary": summary, "runs": results}
+              "turns": a.turns, "speculative_configs": specs, "summary": summary,
+              "runs": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
+    print(report["cpu"])
     print(json.dumps({k: {kk: v[kk] for kk in v if kk != "median"} for k, v in summary.items()},
                      indent=2))
     for llm in engines.values():

@@ -69,6 +69,7 @@ class RunnerSpec:
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
+    draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
     enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`; CPU only for now)
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from gpu.batch import Batch, StepResult
+from gpu.draft import DraftJob, DraftModel
 from gpu.runner import ModelRunner, RunnerSpec
 
 log = logging.getLogger("ridgeline.worker")
@@ -111,6 +112,11 @@ class Worker:
         self._inbox.put((fn, fut))
         return fut
 
+    def draft(self, job: DraftJob) -> Future[list[list[int]]]:
+        """The draft model's guesses for `job` (speculative decoding's `draft_model`),
+        computed on this thread between steps."""
+        return self.submit(job)  # type: ignore[arg-type]
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout)
@@ -122,6 +128,15 @@ class Worker:
             self.error = e
             self._ready.set_exception(e)
             return
+        draft = None
+        if spec.draft_model_dir is not None:
+            try:
+                draft = DraftModel(spec.draft_model_dir, runner.dtype, runner.device,
+                                   spec.max_model_len)
+            except BaseException as e:
+                self.error = e
+                self._ready.set_exception(e)
+                return
         self._ready.set_result(runner)
         failures = 0
         while True:
@@ -131,14 +146,15 @@ class Worker:
             batch, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue
-            if not isinstance(batch, Batch):  # a `call`: not a step, never fatal
+            if not isinstance(batch, Batch | DraftJob):  # a `call`: not a step, never fatal
                 try:
                     fut.set_result(batch(runner))
                 except Exception as e:
                     fut.set_exception(e)
                 continue
             try:
-                fut.set_result(runner.execute(batch))
+                fut.set_result(draft.propose(batch) if isinstance(batch, DraftJob)
+                               else runner.execute(batch))
                 failures = 0
             except BaseException as e:
                 failures += 1

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from app import LLM, SamplingParams
 from app.engine.errors import AdapterNotFound, InvalidParameter
+from app.engine.loras import unload
 from tests.hf_reference import hf_greedy
 from tests.lora_adapters import ATTENTION, MLP, make_adapter
 
@@ -246,7 +247,7 @@ def test_unload_fails_the_adapters_requests_and_frees_their_blocks(built):
         core.add_request("a", prompts[1], SamplingParams(**GREEDY, lora_name="qv"))
         core.add_request("b", prompts[1], SamplingParams(**GREEDY))
         core.step()
-        outs = core.unload_lora("qv")
+        outs = unload(core, "qv")
         assert [(o.request_id, o.finished, bool(o.error)) for o in outs] == [("a", True, True)]
         assert "qv" not in core.loras.adapters
         while core.has_work:
@@ -256,6 +257,6 @@ def test_unload_fails_the_adapters_requests_and_frees_their_blocks(built):
         core.check_invariants()
         assert core.blocks.num_used_blocks == 0
         with pytest.raises(AdapterNotFound):
-            core.unload_lora("qv")
+            unload(core, "qv")
     finally:
         llm.shutdown()

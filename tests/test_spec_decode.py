@@ -40,6 +40,9 @@ class ScriptedProposer:
                         for j, t in enumerate(truth)])
         return out
 
+    def finish(self, request):
+        pass
+
 
 @pytest.fixture(scope="module")
 def prompts():

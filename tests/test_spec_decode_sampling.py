@@ -37,6 +37,9 @@ class FixedDraft:
     def propose(self, requests, num_tokens):
         return [[self.token] if r.num_output_tokens == 1 else [] for r in requests]
 
+    def finish(self, request):
+        pass
+
 
 def test_sampled_tokens_follow_the_target_distribution(tiny_dir):
     ref = LLM(str(tiny_dir), dtype="float32", max_model_len=64)

@@ -26,7 +26,7 @@ from app.engine.errors import (
     RequestShed,
 )
 from app.engine.input_processor import InputProcessor
-from app.engine.loras import LoRAAdapter, adapters_in_use, stats_note
+from app.engine.loras import LoRAAdapter, adapters_in_use, stats_note, unload
 from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
 from app.engine.plan import cache_config_info, plan_report
@@ -266,7 +266,7 @@ class AsyncEngine:
     async def unload_lora(self, name: str) -> int:
         """Stop serving an adapter; its waiting and running requests end with an error.
         Returns how many."""
-        outputs = self.core.unload_lora(name)
+        outputs = unload(self.core, name)
         await self._dispatch(outputs)
         return len(outputs)
 

@@ -35,6 +35,7 @@ from app.engine.request import Request, RequestSLO, RequestStatus
 from app.engine.sampling_params import SamplingParams, out_of_range
 from app.engine.sampling_rows import sampled_rows, sampling_row, step_rows
 from app.engine.scheduler import Scheduler, SchedulerOutput
+from app.engine.spec.draft_model import DraftModelProposer, draft_model_dir
 from app.engine.spec.speculator import Speculator
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, StepResult
@@ -90,8 +91,11 @@ class EngineCore:
         self.config = replace(config, scheduler=replace(config.scheduler,
                                                         max_model_len=self.max_model_len))
         self.eos_token_ids = self._eos_ids()
+        draft_dir = draft_model_dir(config.speculative_config, self.model_config.vocab_size,
+                                    dtype_name)
         self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
-                                                    model_dir=str(self.model_dir)))
+                                                    model_dir=str(self.model_dir),
+                                                    draft_model_dir=draft_dir))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan
         self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
@@ -105,7 +109,9 @@ class EngineCore:
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         spec = self.config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None if spec is None else Speculator(
+            spec, self.max_model_len,
+            DraftModelProposer(self.worker, spec.draft_window) if draft_dir else None)
         self.scheduler = Scheduler(sched, self.blocks, self.admission, self.speculator, self.loras)
         # Block tables reach the model thread as deltas to its persistent rows.
         self.table_rows = TableRows(sched.max_num_seqs)
@@ -258,15 +264,6 @@ class EngineCore:
                      table_rows=table_rows, table_updates=table_updates, prompt_logprobs=scoring,
                      spec_lens=spec_lens if any(spec_lens) else [],
                      lora_ids=batch_lora_ids(out.seqs) if self.loras else [])
-
-    def unload_lora(self, name: str) -> list[RequestOutput]:
-        """Stop serving an adapter; its requests end with an error (docs/lora.md)."""
-        gone = lora_id(self.loras, name) and self.loras.remove(name).lora_id  # 404 unless served
-        self.worker.call(lambda r: r.loras.remove(gone))  # after the step in flight
-        live = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.lora_id == gone]
-        for req in live:  # out of the queue or the batch; blocks freed, or after the step
-            self.scheduler.abort(req)
-        return [self.outputs.emit(r, "", [], error=f"adapter {name} was unloaded") for r in live]
 
     def shed_expired(self) -> list[RequestOutput]:
         """Final outputs of waiting requests that can no longer make their deadline."""

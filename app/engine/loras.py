@@ -173,3 +173,18 @@ def batch_lora_ids(seqs) -> list[int]:
     base-model rows alone runs the base linears alone."""
     ids = [s.request.lora_id for s in seqs]
     return ids if any(ids) else []
+
+
+def unload(core, name: str) -> list:
+    """Stop serving an adapter (`EngineCore` `core`): new requests for it are 404s at
+    once; its waiting and running requests end with an error (their final outputs are
+    returned; blocks freed, or after the step in flight); the model thread drops its
+    tensors after the step in flight."""
+    gone = lora_id(core.loras, name) and core.loras.remove(name).lora_id  # 404 unless served
+    core.worker.call(lambda r: r.loras.remove(gone))
+    scheduler = core.scheduler
+    live = [r for r in (*scheduler.running, *scheduler.waiting) if r.lora_id == gone]
+    for req in live:  # out of the queue or the batch
+        scheduler.abort(req)
+    return [core.outputs.emit(r, "", [], error=f"the LoRA adapter {name} was unloaded")
+            for r in live]

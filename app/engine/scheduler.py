@@ -124,6 +124,8 @@ class Scheduler:
             self._free_after_step.append(request.request_id)
         else:
             self.blocks.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finish(request)
 
     @property
     def num_queued(self) -> int:

@@ -2,7 +2,9 @@
 
 A bad key or value fails at start, naming it. The keys are vLLM's where the meaning is
 the same (`method`, `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`,
-`disable_by_batch_size`); the per-request back-off (`min_acceptance_rate`) is ours.
+the `suffix_decoding_*` keys with vLLM's defaults, `model`, `disable_by_batch_size`);
+the per-request back-off (`min_acceptance_rate`) and the draft model's window
+(`draft_window`) are ours.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)  # vLLM's "suffix" and "draft_model" are not built yet
+METHODS = ("ngram", "suffix", "draft_model")
 NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_max and _min when neither is given
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -19,11 +21,25 @@ MAX_SPECULATIVE_TOKENS = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 0  # required
+    # Required, except for suffix: there it defaults to the tree depth (vLLM's rule).
+    num_speculative_tokens: int = 0
     # The n-gram proposer matches the sequence's last n tokens, n from max down to min.
     # One given: the other takes its value (vLLM's rule); neither: both NGRAM_DEFAULT.
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # Suffix decoding (vLLM's keys and defaults): the trees' depth, which bounds the
+    # match plus the draft; the requests whose outputs the global tree keeps (0: none,
+    # oldest evicted first); the draft's length per matched token; the lowest estimated
+    # probability (a frequency ratio) a drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # Draft model: a model directory (or anything `--model` takes) sharing the
+    # target's vocabulary, and the recent tokens it reads to draft (ours: it keeps no
+    # KV cache and recomputes this window for each draft token).
+    model: str | None = None
+    draft_window: int = 128
     # Running requests at or above which no request speculates: a large batch is no
     # longer memory-bound, and the drafts' extra rows cost real compute there.
     disable_by_batch_size: int | None = 8
@@ -36,8 +52,11 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: {why}")
 
         if self.method not in METHODS:
-            fail(f"method must be one of {METHODS} (suffix and draft_model are not built "
-                 f"yet), got {self.method!r}")
+            fail(f"method must be one of {METHODS}, got {self.method!r}")
+        self._check_suffix(fail)
+        if self.method == "suffix" and not self.num_speculative_tokens:
+            object.__setattr__(self, "num_speculative_tokens", min(
+                self.suffix_decoding_max_tree_depth, MAX_SPECULATIVE_TOKENS))
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             fail(f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], "
@@ -53,12 +72,33 @@ class SpeculativeConfig:
             fail(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.method == "draft_model" and not self.model:
+            fail("method draft_model needs \"model\": the draft model's path or name")
+        if self.method != "draft_model" and self.model is not None:
+            fail(f"\"model\" is for method draft_model, not {self.method!r}")
+        if not _is_int(self.draft_window) or not 8 <= self.draft_window <= 4096:
+            fail(f"draft_window must be an int in [8, 4096], got {self.draft_window!r}")
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             fail(f"disable_by_batch_size must be an int >= 1 or null, got {b!r}")
         if not isinstance(self.min_acceptance_rate, (int, float)) \
                 or not 0.0 <= self.min_acceptance_rate < 1.0:
             fail(f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate!r}")
+
+    def _check_suffix(self, fail) -> None:
+        depth = self.suffix_decoding_max_tree_depth
+        if not _is_int(depth) or not 2 <= depth <= 256:
+            fail(f"suffix_decoding_max_tree_depth must be an int in [2, 256], got {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if not _is_int(cached) or cached < 0:
+            fail(f"suffix_decoding_max_cached_requests must be an int >= 0 (0: no global "
+                 f"tree), got {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            fail(f"suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
+            fail(f"suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
@@ -80,6 +120,10 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown} (known: "
                              f"{sorted(known)})")
-        if "num_speculative_tokens" not in value:
+        if "num_speculative_tokens" not in value and value.get("method") != "suffix":
             raise ValueError("--speculative-config: num_speculative_tokens is required")
         return cls(**value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

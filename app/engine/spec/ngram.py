@@ -54,3 +54,6 @@ class NgramProposer:
                 ) -> list[list[int]]:
         return [find_drafts(r.prompt_token_ids + r.output_token_ids, self.min_n, self.max_n, k)
                 for r, k in zip(requests, num_tokens)]
+
+    def finish(self, request: Request) -> None:
+        pass  # nothing is kept between steps

@@ -87,6 +87,10 @@ class Speculator:
         drafts = self.proposer.propose(asking, room)
         return {r.request_id: d[:k] for r, d, k in zip(asking, drafts, room) if d}
 
+    def finish(self, req: Request) -> None:
+        """`req` ended: the proposer lets go of what it kept for it."""
+        self.proposer.finish(req)
+
     def _room(self, req: Request) -> int:
         """How many drafts `req` may have this step (0: it decodes plainly)."""
         if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
