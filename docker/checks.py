@@ -11,7 +11,8 @@ server does not behave: `python3 docker/checks.py CHECK BASE_URL [ARG]`.
   gauge is above 0 while it streams and back to 0 soon after the connection closes.
 - `drain URL CONTAINER`: `docker stop` during a stream: the stream still ends with its
   last token and [DONE], and a new request in the meantime gets 503 (draining).
-- `requests URL N`: N completions in a row all succeed (through the router).
+- `requests URL N [MODEL]`: N completions in a row all succeed (through the router).
+- `model URL`: print the first model /v1/models lists.
 """
 
 from __future__ import annotations
@@ -180,17 +181,21 @@ def drain(base: str, container: str) -> None:
           "and a new request during the drain got 503")
 
 
-def requests(base: str, n: str) -> None:
-    model = model_id(base)
+def requests(base: str, n: str, model: str = "") -> None:
+    model = model or model_id(base)
+    slowest = 0.0
     for i in range(int(n)):
+        t0 = time.monotonic()
         status, body = post(base + "/v1/completions",
                             {"model": model, "prompt": f"Count to {i + 3}:", "max_tokens": 4})
+        slowest = max(slowest, time.monotonic() - t0)
         if status != 200:
             fail(f"request {i} answered {status}: {body}")
-    print(f"{n} requests, all 200")
+    print(f"{n} requests, all 200 (the slowest took {slowest:.1f} s)")
 
 
 if __name__ == "__main__":
     check, *args = sys.argv[1:]
     {"ready": ready, "complete": complete, "stream": stream, "abort": abort,
-     "drain": drain, "requests": requests}[check](*args)
+     "drain": drain, "requests": requests,
+     "model": lambda base: print(model_id(base))}[check](*args)

@@ -111,14 +111,16 @@ build() {
   nice -n 19 "${BUILD[@]}" --progress plain --network host "${secrets[@]}" \
     --build-arg BASE="$BASE" --build-arg TORCH="$TORCH" --build-arg TORCH_INDEX_URL= \
     -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; return 1; }
-  grep -E '^#[0-9]+ (\[|DONE)' "$WORK/build.log" | paste - - | sed 's/#[0-9]* //g' | cut -c1-110
+  # Each step's seconds: "#N [i/n] INSTRUCTION ..." then, later, "#N DONE 12.3s".
+  awk '/^#[0-9]+ \[ *[0-9]+\/[0-9]+\] / {n = $1; sub(/^#[0-9]+ /, ""); step[n] = substr($0, 1, 48)}
+       $2 == "DONE" && ($1 in step) {printf "%-48s %s\n", step[$1], $3}' "$WORK/build.log"
   kill "$HTTP_PID"; HTTP_PID=""
 }
 
 no_host_config_in_image() {
   local out
   out=$(docker run --rm --entrypoint sh "$IMAGE" -c \
-    'pip config list; ls -A /run/secrets 2>/dev/null; ls /etc/pip.conf /etc/xdg/pip 2>/dev/null' )
+    'pip config list; ls -A /run/secrets; ls /etc/pip.conf /etc/xdg/pip 2>/dev/null; true')
   echo "$out"
   if grep -E 'cert|index-url|find-links|pip_conf|pip_cert|pip.conf|xdg' <<<"$out"; then
     echo "FAIL: the host's pip configuration is in the image"; return 1
@@ -190,8 +192,14 @@ compose_cmd() {
   "${COMPOSE[@]}" version
 }
 
+# served SERVICE: the completions one replica finished, read from its /metrics in place.
+served() {
+  "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" exec -T "$1" python -c \
+    "import re, urllib.request; t = urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode(); print(int(sum(float(v) for v in re.findall(r'^ridgeline:request_success_total{[^}]*\"length\"[^}]*} (\S+)$', t, re.M))))"
+}
+
 router_profile() {
-  local port
+  local port busy idle before model
   port=$(free_port)
   # The test's own ports: the router on a free loopback port, the replicas unpublished.
   cat >"$WORK/ports.yaml" <<EOF
@@ -204,9 +212,17 @@ EOF
   "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" --profile router up -d --no-build --wait
   "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" --profile router ps
   "${CHECK[@]}" requests "http://127.0.0.1:$port" 8
-  log "router: stop one replica"
-  "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" stop ridgeline-2
-  "${CHECK[@]}" requests "http://127.0.0.1:$port" 16
+  # The router sends /v1/models to one replica without a retry: ask while both are up.
+  model=$("${CHECK[@]}" model "http://127.0.0.1:$port")
+  # Lose the replica that took the traffic: the other must take all of it from then on.
+  if (($(served ridgeline) >= $(served ridgeline-2))); then busy=ridgeline idle=ridgeline-2
+  else busy=ridgeline-2 idle=ridgeline; fi
+  before=$(served "$idle")
+  log "router: stop $busy (it served $(served "$busy") of 8, $idle $before)"
+  "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" stop "$busy"
+  "${CHECK[@]}" requests "http://127.0.0.1:$port" 16 "$model"
+  echo "$idle served $(($(served "$idle") - before)) of the 16 after the loss"
+  (($(served "$idle") - before == 16))
   "${COMPOSE[@]}" -p "$PROJECT" "${COMPOSE_FILES[@]}" --profile router down -v --timeout 30
   COMPOSE_UP=""
 }
