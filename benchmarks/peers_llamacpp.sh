@@ -59,11 +59,17 @@ LLAMACPP_CMAKE_FLAGS=(
   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 )
-LLAMACPP_STAMP=$LLAMACPP_DIR/build/built-with  # the version and flags of the build there
+# One fix to llama-server's HTTP layer, nothing of its engine: it ends each streamed
+# response and then reports the write to cpp-httplib as cancelled, which closes the
+# kept-alive connection after the client has read the whole answer; a client that sends
+# its next request on that connection at once (both benchmark clients, one request after
+# another at conc1) gets "Server disconnected" and a failed request. peers.md, "llama.cpp".
+LLAMACPP_PATCH=benchmarks/llamacpp-keepalive.patch
+LLAMACPP_STAMP=$LLAMACPP_DIR/build/built-with  # the version, flags and patch of the build there
 
 install_llamacpp() {
   local src start stamp
-  stamp="llama-cpp-python $LLAMACPP_PY_VERSION ${LLAMACPP_CMAKE_FLAGS[*]}"
+  stamp="$LLAMACPP_PY_VERSION ${LLAMACPP_CMAKE_FLAGS[*]} $(cksum < "$LLAMACPP_PATCH")"
   if have_llamacpp && [[ -x $LLAMACPP_BATCHED_BENCH ]] \
       && [[ $(cat "$LLAMACPP_STAMP" 2>/dev/null) == "$stamp" ]]; then
     log "llama.cpp is already built in $LLAMACPP_DIR: skipped (remove the folder to rebuild)"
@@ -78,6 +84,9 @@ install_llamacpp() {
     python -m pip download --no-deps --no-binary :all: -d "$LLAMACPP_DIR" \
       "llama-cpp-python==$LLAMACPP_PY_VERSION"
     tar -xzf "$LLAMACPP_DIR/llama_cpp_python-$LLAMACPP_PY_VERSION.tar.gz" -C "$LLAMACPP_DIR"
+  fi
+  if ! patch -s -p1 -R --dry-run -d "$src" < "$LLAMACPP_PATCH" > /dev/null 2>&1; then
+    patch -p1 -d "$src" < "$LLAMACPP_PATCH"  # fails loudly if the source moved on
   fi
   log "building llama-server and llama-batched-bench (-j$LLAMACPP_JOBS; ten minutes on two cores)"
   cmake -S "$src" -B "$LLAMACPP_DIR/build" "${LLAMACPP_CMAKE_FLAGS[@]}"
