@@ -45,6 +45,9 @@ def rf(schema) -> dict:
 def server(tiny_dir):
     srv = ServerThread(tiny_config(
         tiny_dir, max_model_len=256, grammar_compile_timeout=BOUND_S,
+        # Memory enough that the time bound, not the memory one, stops the costly
+        # compiles here (a fast CPU reaches the default 512 MiB within 5 s).
+        grammar_compile_memory=4 << 30,
         grammar_max_spec_bytes=SPEC_BYTES, grammar_cache_bytes=1 << 20)).start()
     chat(srv, guided_regex="[0-9]{2}")  # the workers are up before any timing
     yield srv
@@ -244,7 +247,7 @@ def test_a_compile_past_its_memory_bound_is_refused(tokenizer):
 
 
 def test_shutdown_kills_a_running_compile_at_once(tokenizer):
-    svc = service(tokenizer, compile_timeout=120, max_spec_bytes=1 << 20)
+    svc = service(tokenizer, compile_timeout=120, max_spec_bytes=1 << 20, compile_memory=4 << 30)
     svc.compile_now(StructuredOutput("regex", "[a-z]+"))
     pids = svc.pool.pids()
     errors: list[Exception] = []
