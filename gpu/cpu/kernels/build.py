@@ -2,7 +2,8 @@
 
 `torch.utils.cpp_extension.load` compiles the `.cpp` files here with the host's own
 instruction set (-march=native) into a cache directory, so only the first process on a
-machine pays the ~30 s compile. The library's name carries a digest of everything the
+machine pays the compile (`benchmarks/first_start.sh` times it with the rest of a fresh
+machine's first start). The library's name carries a digest of everything the
 binary depends on: the sources and headers, the flags, the CPU's model and feature
 flags (a cache shared by different CPUs never hands one a binary built for another),
 and the torch and Python versions. A library of that name is therefore the build, and
@@ -104,7 +105,8 @@ def cpu_kernels() -> KernelOps | None:
         from torch.utils import cpp_extension
 
         cpp_extension.verify_ninja_availability()
-        log.info("building the C++ CPU kernels into %s (once per machine, ~30 s)", build_dir)
+        log.info("building the C++ CPU kernels into %s (once per machine; tens of seconds)",
+                 build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
