@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 from pathlib import Path
+
+from host import describe
 
 from app.engine.sampling_params import SamplingParams
 from app.llm import LLM
@@ -47,15 +47,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def host() -> dict[str, str]:
-    """lscpu's model name and the vector and matrix flags that pick the CPU's paths."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    isa = [f for f in flags if f.startswith(("avx", "amx")) or f == "fma"]
-    return {"cpu": fields.get("Model name", platform.processor()).strip(), "isa": " ".join(isa)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
@@ -77,7 +68,7 @@ def main() -> None:
         llm.shutdown()
     agree = sum(a == b for a, b in zip(tops["float32"], tops["bfloat16"])) / len(tops["float32"])
     report = {
-        **host(),
+        **describe(),
         "text": args.text,
         "by_dtype": results,
         "perplexity_ratio_bf16_over_fp32": results["bfloat16"]["perplexity"]

@@ -38,14 +38,13 @@ for ((i = 0; i < ROUNDS; i++)); do
 done
 dtype=$(grep -o "dtype [a-z0-9]* (auto[^)]*)" "$WORK/server.log" | head -1 || true)
 python - "$OUT" "$dtype" "${fresh[*]}" "${warm[*]}" <<'PY'
-import json, subprocess, sys
+import json, sys
+sys.path.insert(0, "benchmarks")
+from host import describe
 out, dtype, fresh, warm = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
-fields = dict(l.split(":", 1) for l in subprocess.run(["lscpu"], capture_output=True,
-                                                      text=True).stdout.splitlines() if ":" in l)
-isa = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx"))]
 report = {"what": "ridgeline serve, embedded model, start to ready (s): fresh = GGUF "
           "converted and C++ kernels built in this start; warm = both cached",
-          "cpu": fields.get("Model name", "").strip(), "isa": " ".join(isa), "dtype": dtype,
+          **describe(), "dtype": dtype,
           "fresh_s": [float(x) for x in fresh], "warm_s": [float(x) for x in warm]}
 print(json.dumps(report, indent=1))
 open(out, "w").write(json.dumps(report, indent=1) + "\n")

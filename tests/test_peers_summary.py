@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling `host`, as when run as a script
 spec = importlib.util.spec_from_file_location("peers_summary",
                                               ROOT / "benchmarks" / "peers_summary.py")
 peers_summary = importlib.util.module_from_spec(spec)
