@@ -231,7 +231,7 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = setting(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; "
-        "output is the same as without it (docs/speculative.md; CPU only for now)")
+        "output is the same as without it (docs/speculative.md; draft_model: CPU only for now)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

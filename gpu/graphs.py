@@ -13,9 +13,11 @@ launch grid, so:
   max_model_len, since its grid and workspace cannot change after capture.
 
 The graph covers the model forward up to the final hidden states; logits and
-sampling run eagerly on the real rows only. Prefill, mixed steps and decode
-batches above the largest bucket run eagerly. All graphs share one memory pool,
-captured largest first so that the smaller ones reuse its blocks.
+sampling run eagerly on the real rows only. Speculative decoding's verify steps
+(several query tokens per row) replay graphs of their own (`gpu/verify_graphs.py`).
+Prefill, other mixed steps and batches above the largest bucket run eagerly. All
+graphs share one memory pool, captured largest first so that the smaller ones reuse
+its blocks.
 
 Bucket choice and padding are plain Python, testable without CUDA. Off CUDA,
 `GraphRunner` "captures" a closure that re-runs the forward on the same static
@@ -141,12 +143,14 @@ class DecodeBuffers:
         self._copied: torch.cuda.Event | None = None
 
     def load(self, padded: PaddedDecode) -> None:
-        bs = len(padded.token_ids)
+        """Per-token fields fill their first len(token_ids) entries, per-row fields their
+        first len(context_lens) (the same number here; a verify step's rows hold several
+        tokens, `gpu/verify_graphs.py`)."""
         if self._copied is not None and not self._copied.query():
             self._copied.synchronize()  # the last copy still reads the twin (no sync since)
         for name, field, dtype in _FIELDS:
-            host = self._host_views[name]
-            host[:bs].copy_(torch.as_tensor(getattr(padded, field), dtype=dtype))
+            values = getattr(padded, field)
+            self._host_views[name][:len(values)].copy_(torch.as_tensor(values, dtype=dtype))
         if self._cuda:
             self._dev.copy_(self._host, non_blocking=True)
             if self._copied is None:
@@ -195,6 +199,8 @@ class GraphRunner:
         # One output buffer for all graphs, outside the graph pool.
         self.hidden = torch.zeros(self.sizes[-1], hidden, dtype=dtype, device=self.device)
         self._replay: dict[int, Callable[[], object]] = {}
+        # Speculative decoding's verify steps: a `gpu/verify_graphs.VerifyGraphs`, or None.
+        self.verify = None
         self._keep: list[object] = []  # per-bucket metadata (split workspaces) must outlive graphs
         self._pool = None
         self.replays = 0
@@ -216,6 +222,8 @@ class GraphRunner:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
             self._replay[bs] = self._capture_one(bs)
+        if self.verify is not None:  # in the same pool (steps replay one at a time)
+            self.verify.capture()
         if cuda:
             torch.cuda.synchronize(self.device)
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -249,34 +257,45 @@ class GraphRunner:
         return graph.replay
 
     def can_run(self, batch: Batch) -> bool:
-        """A decode-only batch that fits a bucket, with tables no wider than the graphs'
-        (a wider one would index past the static buffer: it runs eagerly instead)."""
-        if batch.num_seqs > self.sizes[-1] or not batch.is_decode_only:
-            return False
+        """A decode-only batch that fits a bucket (or a verify step that fits the verify
+        graphs), with tables no wider than the graphs' (a wider one would index past the
+        static buffer: it runs eagerly instead)."""
+        if not batch.is_decode_only:
+            return self.verify is not None and self.verify.can_run(batch)
+        return batch.num_seqs <= self.sizes[-1] and self.tables_fit(batch)
+
+    def tables_fit(self, batch: Batch) -> bool:
         if batch.block_tables is not None:
             return max(len(t) for t in batch.block_tables) <= self.tables.width
         return -(-max(batch.context_lens) // self.backend.block_size) <= self.tables.width
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
-        """Final hidden states [num_seqs, hidden] of a decode-only batch, by replay.
+        """Final hidden states [num_seqs, hidden] of a decode-only batch, by replay; of a
+        verify step, the rows that get logits, in sampling order (`gpu/verify_graphs.py`).
 
         The batch's block-table updates must be applied already (`ModelRunner`). The
         result is a view of the shared output buffer: use it before the next replay.
         """
+        if not batch.is_decode_only:
+            return self.verify.run(batch)
         bucket = bucket_for(batch.num_seqs, self.sizes)
         self.buffers.load(pad_decode_batch(batch, bucket, self.tables.padding_row))
-        if batch.block_tables is None:
-            self.tables.gather(self.buffers.table_rows[:bucket],
-                               out=self.buffers.block_tables[:bucket])
-        else:
-            flat, width = whole_tables(batch)
-            (staged,) = self._staging.stage((flat, torch.int32))
-            self.buffers.block_tables[: batch.num_seqs, :width].copy_(
-                staged.view(batch.num_seqs, width))
+        self.fill_tables(batch, self.buffers, bucket)
         self._replay[bucket]()
         self.replays += 1
         return self.hidden[: batch.num_seqs]
+
+    def fill_tables(self, batch: Batch, buffers: DecodeBuffers, bucket: int) -> None:
+        """The block tables of `buffers`' first `bucket` rows, from the persistent table
+        (the rows `buffers.load` just wrote) or from a hand-made batch's whole tables."""
+        if batch.block_tables is None:
+            self.tables.gather(buffers.table_rows[:bucket], out=buffers.block_tables[:bucket])
+        else:
+            flat, width = whole_tables(batch)
+            (staged,) = self._staging.stage((flat, torch.int32))
+            buffers.block_tables[: batch.num_seqs, :width].copy_(
+                staged.view(batch.num_seqs, width))
 
 
 def _span(sizes: list[int]) -> str:

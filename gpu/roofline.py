@@ -36,10 +36,13 @@ sees; per-layer windows (Qwen2's `max_window_layers`) are counted as full attent
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from operator import mul
 
 from models.config import ModelConfig
+
+log = logging.getLogger("ridgeline.runner")  # read beside the runner's memory plan
 
 
 @dataclass(frozen=True)
@@ -217,3 +220,20 @@ class ModelCost:
     def prefill(self, tokens: int) -> StepCost:
         """One sequence's whole prompt of `tokens` in one step."""
         return self.step([tokens], [tokens], 1)
+
+
+def log_roofline(peaks: DevicePeaks, cost: ModelCost, max_num_seqs: int, max_model_len: int
+                 ) -> None:
+    """Beside the memory plan: the device's roofs, and where decode will sit on them."""
+    log.info("Device peaks: %.1f GB/s copy bandwidth, %s %s matmul; ridge at %.1f FLOP/byte "
+             "(%s)", peaks.bandwidth / 1e9, flop_rate(peaks.flops), peaks.dtype, peaks.ridge,
+             peaks.how)
+    context = max_model_len // 2
+    for batch in sorted({1, max_num_seqs}):
+        step = cost.decode(batch, context)
+        floor = peaks.floor_seconds(step)
+        log.info("Roofline: decode at batch %d, context %d reads %.3f GiB and does %.1f FLOP/byte "
+                 "(%s-bound): at best %.2f ms per step, %.0f tokens/s", batch, context,
+                 step.bytes / (1 << 30), step.intensity,
+                 "memory" if step.intensity < peaks.ridge else "compute", floor * 1e3,
+                 batch / floor)

@@ -23,10 +23,10 @@ from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
 from gpu.lora import LoRASlots
-from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
+from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
-from gpu.roofline import DevicePeaks, ModelCost, flop_rate
+from gpu.roofline import DevicePeaks, ModelCost, log_roofline
 from gpu.sampler import Sampler
 from gpu.staging import Staging
 from gpu.step_inputs import apply_table_updates, stage_eager_step
@@ -70,6 +70,10 @@ class RunnerSpec:
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
+    # Speculative decoding's verify steps (`gpu/verify_graphs.py`): drafts per row (0: none),
+    # and the running requests from which nobody drafts.
+    num_speculative_tokens: int = 0
+    disable_by_batch_size: int | None = None
     enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`; CPU only for now)
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -311,9 +315,15 @@ class ModelRunner:
             return None
         from gpu.graphs import GraphRunner
 
+        spec = self.spec
         graphs = GraphRunner(self.model, self.backend, self.k_caches, self.v_caches,
-                             sizes=self.graph_sizes, max_model_len=self.spec.max_model_len,
+                             sizes=self.graph_sizes, max_model_len=spec.max_model_len,
                              tables=self.tables)
+        if spec.num_speculative_tokens:
+            from gpu.verify_graphs import VerifyGraphs, verify_sizes
+
+            graphs.verify = VerifyGraphs(graphs, verify_sizes(
+                spec.max_num_seqs, spec.disable_by_batch_size), spec.num_speculative_tokens + 1)
         graphs.capture()
         return graphs
 
@@ -339,9 +349,9 @@ class ModelRunner:
         # 1. The forward: a CUDA-graph replay for a decode step that fits a bucket.
         if self.graphs is not None and self.graphs.can_run(batch):
             apply_table_updates(batch, self.staging, self.tables)
-            hidden = self.graphs.run(batch)  # one row per sequence
-            rows = None if batch.samples_every_row else self.staging.stage(
-                (batch.sample_indices, torch.long))[0]
+            hidden = self.graphs.run(batch)  # per sequence; a verify step's: per logit row
+            rows = None if batch.samples_every_row or not batch.is_decode_only else \
+                self.staging.stage((batch.sample_indices, torch.long))[0]
         else:
             inputs = stage_eager_step(batch, self.staging, self.tables, self.spec.block_size)
             ctx = StepContext(self.backend, self.backend.prepare(inputs.attention),
@@ -388,19 +398,3 @@ class ModelRunner:
             result.logprobs.append(lp)
         return result
 
-
-def log_roofline(peaks: DevicePeaks, cost: ModelCost, max_num_seqs: int, max_model_len: int
-                 ) -> None:
-    """Beside the memory plan: the device's roofs, and where decode will sit on them."""
-    log.info("Device peaks: %.1f GB/s copy bandwidth, %s %s matmul; ridge at %.1f FLOP/byte "
-             "(%s)", peaks.bandwidth / 1e9, flop_rate(peaks.flops), peaks.dtype, peaks.ridge,
-             peaks.how)
-    context = max_model_len // 2
-    for batch in sorted({1, max_num_seqs}):
-        step = cost.decode(batch, context)
-        floor = peaks.floor_seconds(step)
-        log.info("Roofline: decode at batch %d, context %d reads %.3f GiB and does %.1f FLOP/byte "
-                 "(%s-bound): at best %.2f ms per step, %.0f tokens/s", batch, context,
-                 step.bytes / GiB, step.intensity,
-                 "memory" if step.intensity < peaks.ridge else "compute", floor * 1e3,
-                 batch / floor)

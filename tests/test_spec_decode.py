@@ -191,6 +191,9 @@ def test_abort_mid_run_leaks_no_block(tiny_dir, prompts, plain):
     llm.shutdown()
 
 
-def test_speculation_refused_on_cuda(tiny_dir):
-    with pytest.raises(ValueError, match="CPU path only"):
-        make_llm(tiny_dir, SPEC, device="cuda")
+def test_draft_model_refused_on_cuda(tiny_dir):
+    """ngram and suffix run on CUDA (tests/test_spec_verify_graphs.py); the draft model
+    is refused there, before anything touches the device."""
+    draft = {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft_model runs on the CPU path only"):
+        make_llm(tiny_dir, draft, device="cuda")

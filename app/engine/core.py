@@ -71,9 +71,11 @@ def _usable(defaults: GenerationDefaults) -> GenerationDefaults:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         device = resolve_device(config.device)
-        if config.speculative_config is not None and device.type != "cpu":
-            raise ValueError(f"--speculative-config runs on the CPU path only for now; the "
-                             f"device is {device} (docs/speculative.md)")
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and device.type != "cpu":
+            raise ValueError(f"--speculative-config: draft_model runs on the CPU path only for "
+                             f"now: on {device} the KV pool's memory plan does not count the "
+                             f"draft model yet (docs/speculative.md); ngram and suffix run there")
         dtype, dtype_why = choose_dtype(config.dtype, device,
                                         int8_activations=config.flat()["int8_activations"])
         dtype_name = str(dtype).removeprefix("torch.")
@@ -95,7 +97,8 @@ class EngineCore:
                                     dtype_name)
         self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
                                                     model_dir=str(self.model_dir),
-                                                    draft_model_dir=draft_dir))
+                                                    draft_model_dir=draft_dir,
+                                                    **(spec.verify_shape() if spec else {})))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan
         self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
@@ -108,7 +111,6 @@ class EngineCore:
         self.kv_events = self._kv_event_publisher(KVEventsConfig.parse(cache.kv_events_config))
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
-        spec = self.config.speculative_config
         self.speculator = None if spec is None else Speculator(
             spec, self.max_model_len,
             DraftModelProposer(self.worker, spec.draft_window) if draft_dir else None)

@@ -18,7 +18,9 @@ The key loop has two parts: tiles wholly before the query tile's first position,
 which every row sees whole (no mask to compute), then the tiles on the diagonal,
 masked; a tile stops at the key position of its last row. A sliding window W starts
 the loop at the first key its first row sees (position - W + 1) and masks every tile,
-so keys older than the window are never read.
+so keys older than the window are never read. A query row whose position is negative
+(a dummy token in front of a padded verify row whose context is shorter than the row,
+`gpu/verify_graphs.py`) sees no key and writes zeros.
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ def _prefill_kernel(
         full_end = kv_begin  # the window's edge moves row by row: mask every tile
     else:
         kv_begin = 0
-        full_end = (first_pos // BLOCK_N) * BLOCK_N
+        # A padded verify row (gpu/verify_graphs.py) may start before position 0.
+        full_end = (tl.maximum(first_pos, 0) // BLOCK_N) * BLOCK_N
     for kv_start in range(kv_begin, full_end, BLOCK_N):
         m, l, acc = _attend_tile(q, m, l, acc, kv_start, offs_n, offs_d, dim_mask, q_pos,
                                  kv_end, window, table, k_base, v_base, stride_ks, stride_kb,

@@ -100,6 +100,12 @@ class SpeculativeConfig:
         if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
             fail(f"suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
 
+    def verify_shape(self) -> dict[str, int | None]:
+        """What the model thread needs to capture verify steps (`gpu/verify_graphs.py`),
+        by `RunnerSpec`'s field names: drafts per row, and the batch size that stops them."""
+        return {"num_speculative_tokens": self.num_speculative_tokens,
+                "disable_by_batch_size": self.disable_by_batch_size}
+
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
               ) -> SpeculativeConfig | None:
