@@ -125,7 +125,7 @@ def profile_memory(
         torch.cuda.empty_cache()  # the pool is carved out next: hand the profile's blocks back
     log.info(
         "Memory profile: a %d-token step over %d sequences peaks at %.2f GiB of activations; "
-        "CUDA graphs for %d decode sizes estimated at %.2f GiB",
+        "CUDA graphs for %d step shapes estimated at %.2f GiB",
         sum(query_lens), len(query_lens), peak / GiB, len(graph_sizes), graph_bytes / GiB,
     )
     return MemoryProfile(peak, graph_bytes)

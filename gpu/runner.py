@@ -302,12 +302,16 @@ class ModelRunner:
     def _profile(self) -> MemoryProfile:
         if not self._auto_sized():
             return MemoryProfile(0, 0)
+        spec, sizes = self.spec, self.graph_sizes
+        if sizes and spec.num_speculative_tokens:  # verify steps' graphs too
+            from gpu.verify_graphs import graph_token_counts, verify_sizes
+
+            sizes = graph_token_counts(sizes, verify_sizes(
+                spec.max_num_seqs, spec.disable_by_batch_size), spec.num_speculative_tokens + 1)
         return profile_memory(
             self.model, self.backend, device=self.device, dtype=self.dtype,
-            max_num_batched_tokens=self.spec.max_num_batched_tokens,
-            max_num_seqs=self.spec.max_num_seqs, max_model_len=self.spec.max_model_len,
-            graph_sizes=self.graph_sizes,
-        )
+            max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
+            max_model_len=spec.max_model_len, graph_sizes=sizes)
 
     def _capture_graphs(self) -> GraphRunner | None:
         """A GraphRunner with every bucket captured, or None (CPU, --enforce-eager)."""

@@ -50,6 +50,12 @@ def verify_sizes(max_num_seqs: int, disable_by_batch_size: int | None) -> list[i
     return graph_sizes(min(max_num_seqs, disable_by_batch_size or max_num_seqs))
 
 
+def graph_token_counts(decode_sizes: list[int], verify: list[int], row_len: int) -> list[int]:
+    """Every graph's token count, sorted: what the memory profile sizes the graphs by
+    (one allowance each, and the shared pool of the largest step's activations)."""
+    return sorted(decode_sizes + [bs * row_len for bs in verify])
+
+
 @dataclass
 class PaddedVerify:
     """A verify step padded to its bucket: per-token lists of bucket * row_len entries,

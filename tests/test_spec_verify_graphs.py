@@ -17,7 +17,7 @@ import torch
 from app.engine.sampling_params import SamplingParams
 from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow
 from gpu.graphs import GraphRunner
-from gpu.verify_graphs import VerifyGraphs, pad_verify_batch, verify_sizes
+from gpu.verify_graphs import VerifyGraphs, graph_token_counts, pad_verify_batch, verify_sizes
 from models.tiny import make_tiny_llama
 from tests.test_graphs import tiny_runner
 from tests.test_spec_decode import SPEC, ScriptedProposer, assert_clean, make_llm
@@ -35,6 +35,11 @@ def test_verify_sizes_stop_where_drafting_stops() -> None:
     assert verify_sizes(256, 8) == [1, 2, 4, 8]
     assert verify_sizes(4, 8) == [1, 2, 4]
     assert verify_sizes(20, None) == [1, 2, 4, 8, 16, 24]
+
+
+def test_memory_profile_sees_every_graphs_tokens() -> None:
+    """One allowance per graph, the shared pool sized by the most tokens any one runs."""
+    assert graph_token_counts([1, 2, 4, 8], [1, 2, 4], 5) == [1, 2, 4, 5, 8, 10, 20]
 
 
 def test_padding_puts_real_tokens_at_each_rows_end() -> None:
@@ -181,20 +186,22 @@ def test_verify_replay_matches_eager_with_rollbacks(graph_dir) -> None:
 # --- through the engine -----------------------------------------------------------------
 
 
-def test_engine_spec_decode_through_verify_graphs_equals_plain(tiny_dir) -> None:
+def test_engine_spec_decode_through_verify_graphs_equals_plain(graph_dir) -> None:
     """Greedy ids with speculation, steps replayed through the decode and verify graphs,
     are plain decoding's (eager, same backend); the runner wires the verify shape from
-    the speculative config (`RunnerSpec.num_speculative_tokens`)."""
+    the speculative config (`RunnerSpec.num_speculative_tokens`). Drafts come from a
+    proposer that knows the plain run's output and gets one draft in three wrong."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 49000, (n,), generator=g).tolist() * 3 for n in (1, 5, 13)]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() * 3 for n in (1, 5, 13)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    kw = dict(attention_backend="triton", max_num_seqs=4, device="cpu")
-    plain = make_llm(tiny_dir, **kw)
+    kw = dict(attention_backend="triton", max_num_seqs=4, device=DEVICE,
+              skip_tokenizer_init=True, enforce_eager=True, num_blocks=64, block_size=BLOCK)
+    plain = make_llm(graph_dir, **kw)
     want = {tuple(p): o.token_ids for p, o in
             zip(prompts, plain.generate(prompts, params, use_tqdm=False))}
     plain.shutdown()
 
-    llm = make_llm(tiny_dir, SPEC, **kw)
+    llm = make_llm(graph_dir, SPEC, **kw)
     llm.engine.speculator.proposer = ScriptedProposer(want)
     runner = llm.engine.worker.wait_ready()
     assert runner.spec.num_speculative_tokens == SPEC["num_speculative_tokens"]
