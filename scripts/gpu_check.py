@@ -24,6 +24,9 @@ the model's users first, then the sections that need its memory back):
                top-1 equal where HF's margin >= 0.1
   large_pool   a pool of more than 2**31 elements: store, decode, prefill on its last blocks
   engine       the offline LLM on a random model of a real shape: graphs vs --enforce-eager
+  spec_decode  speculative decoding: a verify step (eager and in the verify graphs' padded
+               layout) against the reference; greedy ids with ngram speculation through
+               the decode and verify graphs equal plain decoding's on a tiny fp32 model
   pytest       the kernel and graph tests, natively, with whatever time is left
 and a final table of each figure against its roofline floor. Results go to
 OUT_DIR/gpu_check.json after every section (a kill still leaves what was done).
@@ -80,6 +83,7 @@ from gpu_check_roofline import (
     roofline,
     table,
 )
+from gpu_check_spec import spec_decode
 
 from app.config import EngineConfig
 from gpu.batch import SamplingRow
@@ -178,7 +182,8 @@ def pytest_section(check: Check) -> dict:
     """The kernel and graph tests, natively; last, with whatever time is left."""
     files = ["tests/test_graphs.py"] if check.smoke else [
         "tests/test_kernels.py", "tests/test_fused_kernels.py", "tests/test_graphs.py",
-        "tests/test_sliding_window.py"]
+        "tests/test_sliding_window.py", "tests/test_spec_verify_kernels.py",
+        "tests/test_spec_verify_graphs.py"]
     if importlib.util.find_spec("pytest") is None:
         return {"pytest": "not installed: built-in comparison only"}
     timeout = max(30.0, min(check.args.pytest_timeout_s, check.left_s()))
@@ -354,6 +359,7 @@ def main() -> int:
     check.section("hf_parity", hf_parity)
     check.section("large_pool", large_pool)
     check.section("engine", engine)
+    check.section("spec_decode", spec_decode)
     check.section("pytest", pytest_section)
     rows = table(check.results)
     check.results["table"] = rows
