@@ -350,7 +350,7 @@ class ModelRunner:
         device once per step, when the sampled tokens come back (`gpu/staging.py`)."""
         if self.governor is not None:
             self.governor.tick()
-        # 1. The forward: a CUDA-graph replay for a decode step that fits a bucket.
+        # 1. The forward: a CUDA-graph replay for a decode or verify step that fits a bucket.
         if self.graphs is not None and self.graphs.can_run(batch):
             apply_table_updates(batch, self.staging, self.tables)
             hidden = self.graphs.run(batch)  # per sequence; a verify step's: per logit row
