@@ -8,6 +8,9 @@ batch is too small to fill the GPU); rows with longer queries (prefill, chunked
 prefill) take the ragged prefill kernel. A mixed batch runs both, each on its own
 rows of one output: its decode rows read each K/V tile once per KV group, with
 splits, instead of sitting alone in a 64-row prefill tile once per query head.
+Speculative decoding's verify rows (a request's last token and its drafts) are such
+short prefills over a paged prefix; a verify CUDA graph pads every row to 1 + k tokens
+and sends them all to the prefill kernel (`gpu/verify_graphs.py`).
 
 Importing this module needs Triton but no GPU: kernels compile on first launch.
 """
