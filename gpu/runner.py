@@ -22,7 +22,7 @@ from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
-from gpu.lora import LoRASlots
+from gpu.lora import LoRASlots, row_kernel
 from gpu.memory import GiB, KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
@@ -70,7 +70,7 @@ class RunnerSpec:
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
-    enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`; CPU only for now)
+    enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`)
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
@@ -232,7 +232,7 @@ class ModelRunner:
             ),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
-            weights_bytes=weights_bytes,
+            weights_bytes=weights_bytes + (self.loras.nbytes if self.loras else 0),
             kv_cache_memory=spec.kv_cache_memory,
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
@@ -267,11 +267,9 @@ class ModelRunner:
         spec = self.spec
         if not spec.enable_lora:
             return None
-        if self.device.type != "cpu":
-            raise ValueError(f"--enable-lora runs on the CPU path only for now; the device is "
-                             f"{self.device} (docs/lora.md)")
         return LoRASlots(self.model, spec.max_loras, spec.max_lora_rank,
-                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device)
+                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device,
+                         kernel=row_kernel(self.device))
 
     def _auto_sized(self) -> bool:
         """True when the pool takes what the GPU has left (no explicit size given)."""
@@ -313,7 +311,7 @@ class ModelRunner:
 
         graphs = GraphRunner(self.model, self.backend, self.k_caches, self.v_caches,
                              sizes=self.graph_sizes, max_model_len=self.spec.max_model_len,
-                             tables=self.tables)
+                             tables=self.tables, loras=self.loras)
         graphs.capture()
         return graphs
 
