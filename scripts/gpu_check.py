@@ -24,6 +24,9 @@ the model's users first, then the sections that need its memory back):
                top-1 equal where HF's margin >= 0.1
   large_pool   a pool of more than 2**31 elements: store, decode, prefill on its last blocks
   engine       the offline LLM on a random model of a real shape: graphs vs --enforce-eager
+  lora         the per-row LoRA kernels against their reference at Llama-3-8B shapes (and
+               their time beside the base linear's); a tiny model's greedy ids with two
+               adapters and the base in one batch, graphs on, vs the adapters merged
   pytest       the kernel and graph tests, natively, with whatever time is left
 and a final table of each figure against its roofline floor. Results go to
 OUT_DIR/gpu_check.json after every section (a kill still leaves what was done).
@@ -71,6 +74,7 @@ from gpu_check_common import (
     wall_time,
 )
 from gpu_check_engine import engine
+from gpu_check_lora import lora
 from gpu_check_parity import hf_parity, large_pool
 from gpu_check_roofline import (
     attention,
@@ -178,7 +182,7 @@ def pytest_section(check: Check) -> dict:
     """The kernel and graph tests, natively; last, with whatever time is left."""
     files = ["tests/test_graphs.py"] if check.smoke else [
         "tests/test_kernels.py", "tests/test_fused_kernels.py", "tests/test_graphs.py",
-        "tests/test_sliding_window.py"]
+        "tests/test_sliding_window.py", "tests/test_lora_kernels.py"]
     if importlib.util.find_spec("pytest") is None:
         return {"pytest": "not installed: built-in comparison only"}
     timeout = max(30.0, min(check.args.pytest_timeout_s, check.left_s()))
@@ -354,6 +358,7 @@ def main() -> int:
     check.section("hf_parity", hf_parity)
     check.section("large_pool", large_pool)
     check.section("engine", engine)
+    check.section("lora", lora)
     check.section("pytest", pytest_section)
     rows = table(check.results)
     check.results["table"] = rows

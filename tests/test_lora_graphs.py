@@ -26,6 +26,8 @@ from tests.lora_adapters import ATTENTION, MLP, make_adapter
 from tests.test_graphs import BLOCK, Sequences, runner_spec
 
 pytest.importorskip("peft")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the GPU path on CPU "
+                                "tensors with the interpreter (the GPU check covers CUDA)")
 
 NUM_TOKENS = 6
 ADAPTERS = {"all": (ATTENTION + MLP, 8, 16), "qv": (["q_proj", "v_proj"], 4, 8)}
