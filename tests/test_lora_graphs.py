@@ -137,6 +137,13 @@ def test_graph_replay_with_lora_rows_matches_eager_and_peft(adapters, kernel_cal
             assert lp_g == pytest.approx(lp_e, abs=1e-4)
         seqs.advance(rows, eager.token_ids)
     assert graphs.replays == len(steps)
+    qkv = loras.layers["layers.0.self_attn.qkv_proj"]
+    gate_up = loras.layers["layers.0.mlp.gate_up_proj"]
+    assert qkv.slices == [(0, 64), (64, 32), (96, 32)]
+    assert gate_up.slices == [(0, 128), (128, 128)]
+    qv = loras.slot_of[2]  # rank 4 on q and v: k reads nothing, v its own four ranks
+    assert qkv.spans[qv].tolist() == [[0, 4], [0, 0], [4, 8]]
+    assert gate_up.rank_table[qv] == 0 and qkv.rank_table[qv] == 8
     for i, lora_id in enumerate(seq_ids):
         made = seqs.tokens[i][len(prompts[i]):]
         assert made == expected[names.get(lora_id)][i][:len(made)], i
