@@ -44,7 +44,7 @@ from models.lora import Target, _fuse
 SHAPES = {"gpu": [("qkv", 4096, [(0, 4096), (4096, 1024), (5120, 1024)]),
                   ("gate_up", 4096, [(0, 14336), (14336, 14336)]),
                   ("down", 14336, [(0, 4096)])],
-          "smoke": [("qkv", 160, [(0, 64), (64, 32), (96, 32)]), ("down", 96, [(0, 80)])]}
+          "smoke": [("qkv", 600, [(0, 64), (64, 32), (96, 32)]), ("down", 96, [(0, 80)])]}
 ROWS = {"gpu": dict(decode=[1, 64, 256], prefill=2048),
         "smoke": dict(decode=[1, 4], prefill=8)}
 MAX_RANK = 16

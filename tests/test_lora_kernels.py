@@ -21,12 +21,12 @@ from models.lora import Target, _fuse
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
     torch.float16: dict(atol=2e-3, rtol=2e-3),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 DTYPES = pytest.mark.parametrize("dtype", list(TOLERANCES), ids=["fp32", "fp16", "bf16"])
-IN = 160  # crosses a 128-feature block of the shrink
+IN = 600  # crosses the shrink's 128-feature blocks and its 512-feature split
 QKV = [(0, 64), (64, 32), (96, 32)]  # a fused qkv's slices: q, k, v
 MAX_RANK = 8
 
@@ -44,8 +44,9 @@ class Stack:
     def write(self, slot: int, parts: dict[int, int], seed: int) -> None:
         """`parts`: slice index -> the rank of that part's adapter (absent: not adapted)."""
         g = torch.Generator().manual_seed(seed)
-        fused = [(Target("m", *self.slices[p]), torch.randn(r, IN, generator=g),
-                  torch.randn(self.slices[p][1], r, generator=g)) for p, r in parts.items()]
+        fused = [(Target("m", *self.slices[p]), torch.randn(r, IN, generator=g) * 0.1,
+                  torch.randn(self.slices[p][1], r, generator=g) * 0.1)
+                 for p, r in parts.items()]
         a, b = _fuse(fused, self.Bt.shape[2], 0.5, self.dtype)
         r = a.shape[0]
         self.A[slot, :r], self.Bt[slot, :r] = a, b.T

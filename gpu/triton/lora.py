@@ -8,7 +8,11 @@ capture it: the slots' weights live in static stacked tensors, written in place 
 an adapter takes a slot, and a replay only changes the values of `row_slots`.
 
 - shrink: `inter[t, :rank[s]] = x[t] @ A[s, :rank[s]]^T`, in float32. The ranks past
-  a slot's own (the zero padding up to the linear's budget) are never read.
+  a slot's own (the zero padding up to the linear's budget) are never read. The input
+  features are split in `K_SPLIT` chunks, each program summing one into its own
+  partial (the expand adds the partials in a fixed order): a decode row's shrink
+  reads its slot's A on many SMs at once, not on the one or three its rank blocks
+  would give, and the sum is the same from run to run (no atomics).
 - expand: for each output slice p of the linear (q, k and v of a fused qkv; gate and
   up of gate_up; the whole output otherwise), `y[t, slice p] += inter[t, c0:c1] @
   B^T[s, c0:c1, slice p]`, `(c0, c1) = spans[s, p]`: the rank columns that are not
@@ -30,13 +34,14 @@ import triton.language as tl
 
 BLOCK_R = 16  # rank columns per shrink program and per expand step
 BLOCK_K = 128  # input features per shrink step
+K_SPLIT = 512  # input features per shrink program (a multiple of BLOCK_K)
 BLOCK_N = 128  # output features per expand program
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, ranks_ptr, inter_ptr, stride_xt, stride_as,
-                   stride_ar, stride_it, in_features, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   stride_ar, stride_it, stride_ik, in_features, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot < 0:
@@ -47,20 +52,21 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, ranks_ptr, inter_ptr, stride_xt, str
         return
     r = first + tl.arange(0, BLOCK_R)
     a_rows = a_ptr + slot * stride_as + r[:, None] * stride_ar
+    split = tl.program_id(2)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
+    for k0 in range(split * K_SPLIT, tl.minimum(in_features, (split + 1) * K_SPLIT), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_xt + k, mask=k < in_features, other=0.0)
         a = tl.load(a_rows + k[None, :], mask=(r[:, None] < rank) & (k[None, :] < in_features),
                     other=0.0)
         acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(inter_ptr + row * stride_it + r, acc, mask=r < rank)
+    tl.store(inter_ptr + row * stride_it + split * stride_ik + r, acc, mask=r < rank)
 
 
 @triton.jit
 def _expand_kernel(inter_ptr, bt_ptr, slots_ptr, spans_ptr, slices_ptr, y_ptr, stride_it,
-                   stride_bs, stride_br, stride_yt, stride_ss, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   stride_ik, stride_bs, stride_br, stride_yt, stride_ss, splits,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -79,7 +85,9 @@ def _expand_kernel(inter_ptr, bt_ptr, slots_ptr, spans_ptr, slices_ptr, y_ptr, s
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in range(c0, c1, BLOCK_R):
         r = c + tl.arange(0, BLOCK_R)
-        v = tl.load(inter_ptr + row * stride_it + r, mask=r < c1, other=0.0)
+        v = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k in range(0, splits):  # the shrink's partials, always in the same order
+            v += tl.load(inter_ptr + row * stride_it + k * stride_ik + r, mask=r < c1, other=0.0)
         b = tl.load(b_slot + r[:, None] * stride_br + cols[None, :],
                     mask=(r[:, None] < c1) & (n[None, :] < size), other=0.0)
         acc += tl.sum(v[:, None] * b.to(tl.float32), axis=0)
@@ -104,13 +112,16 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
         return y
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and a.stride(-1) == 1 and bt.stride(-1) == 1
     assert spans.is_contiguous() and slices.is_contiguous()
-    inter = torch.empty(rows, a.shape[1], dtype=torch.float32, device=x.device)
-    _shrink_kernel[(rows, triton.cdiv(a.shape[1], BLOCK_R))](
+    splits = triton.cdiv(x.shape[1], K_SPLIT)
+    inter = torch.empty(rows, splits, a.shape[1], dtype=torch.float32, device=x.device)
+    _shrink_kernel[(rows, triton.cdiv(a.shape[1], BLOCK_R), splits)](
         x, a, row_slots, ranks, inter, x.stride(0), a.stride(0), a.stride(1), inter.stride(0),
-        x.shape[1], BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4)
+        inter.stride(1), x.shape[1], BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, K_SPLIT=K_SPLIT,
+        num_warps=4)
     _expand_kernel[(rows, slices.shape[0], triton.cdiv(max_slice, BLOCK_N))](
-        inter, bt, row_slots, spans, slices, y, inter.stride(0), bt.stride(0), bt.stride(1),
-        y.stride(0), spans.stride(0), BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4)
+        inter, bt, row_slots, spans, slices, y, inter.stride(0), inter.stride(1), bt.stride(0),
+        bt.stride(1), y.stride(0), spans.stride(0), splits, BLOCK_R=BLOCK_R,
+        BLOCK_N=BLOCK_N, num_warps=4)
     return y
 
 
