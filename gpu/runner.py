@@ -232,7 +232,9 @@ class ModelRunner:
             ),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
-            weights_bytes=weights_bytes + (self.loras.nbytes if self.loras else 0),
+            # Sized from the GPU's memory, the pool leaves room for the LoRA slots too.
+            weights_bytes=weights_bytes + (self.loras.nbytes if self.loras is not None
+                                           and self._auto_sized() else 0),
             kv_cache_memory=spec.kv_cache_memory,
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
