@@ -140,8 +140,7 @@ class CacheConfig:
 class LoRAConfig:
     """Serving LoRA adapters (docs/lora.md); vLLM's flags and defaults."""
 
-    enable_lora: bool = setting(False, "serve LoRA adapters: a request's `model` names one "
-                                "(CPU only for now)")
+    enable_lora: bool = setting(False, "serve LoRA adapters: a request's `model` names one")
     lora_modules: tuple[str, ...] | None = setting(
         None, "adapters to load at start: name=path, or vLLM's JSON {\"name\": ..., "
         "\"path\": ..., \"base_model_name\": ...}; each a PEFT directory")

@@ -10,7 +10,11 @@ launch grid, so:
   slot -1 (the KV store skips it) and context length 0 (the decode kernel
   writes zeros) — no branch anywhere in the hot path;
 - the split-K decode's `num_splits` is pinned per bucket, chosen for
-  max_model_len, since its grid and workspace cannot change after capture.
+  max_model_len, since its grid and workspace cannot change after capture;
+- with LoRA adapters (per-row kernels, `gpu/lora.py`) each bucket is captured twice:
+  with the LoRA kernels reading each row's slot from a static buffer (padding: -1,
+  no delta), replayed when a row has an adapter, and without them, so that a step
+  of the base model alone pays nothing for LoRA.
 
 The graph covers the model forward up to the final hidden states; logits and
 sampling run eagerly on the real rows only. Speculative decoding's verify steps
@@ -27,10 +31,12 @@ buffers, so the padding and buffer logic runs on CPU too (tests, smoke check).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +47,9 @@ from gpu.block_table import DeviceBlockTable
 from gpu.staging import Staging
 from gpu.step_inputs import whole_tables
 from gpu.triton.paged_decode import choose_num_splits, num_sms
+
+if TYPE_CHECKING:
+    from gpu.lora import LoRASlots
 
 log = logging.getLogger("ridgeline.graphs")
 
@@ -82,11 +91,14 @@ class PaddedDecode:
     slot_mapping: list[int]
     context_lens: list[int]
     table_rows: list[int]  # rows of the persistent block table; padding: its zero row
+    lora_slots: list[int]  # each row's LoRA slot; -1: none (the base model, padding)
 
 
-def pad_decode_batch(batch: Batch, bucket: int, padding_row: int) -> PaddedDecode:
+def pad_decode_batch(batch: Batch, bucket: int, padding_row: int,
+                     lora_slots: list[int] | None = None) -> PaddedDecode:
     """Real rows copied as they are, then dummy rows: token 0 at position 0, slot -1
-    (nothing stored), context 0 (attention output 0), the block table's zero row.
+    (nothing stored), context 0 (attention output 0), the block table's zero row, LoRA
+    slot -1 (no delta).
 
     A batch with whole block tables (made by hand) reads rows 0.. of the graph's own
     table buffer instead, which `GraphRunner.run` fills."""
@@ -99,13 +111,15 @@ def pad_decode_batch(batch: Batch, bucket: int, padding_row: int) -> PaddedDecod
         slot_mapping=batch.slot_mapping + [-1] * pad,
         context_lens=batch.context_lens + [0] * pad,
         table_rows=rows + [padding_row] * (bucket - len(rows)),
+        lora_slots=(lora_slots or [-1] * batch.num_seqs) + [-1] * pad,
     )
 
 
 # (buffer, PaddedDecode field, dtype) of each static input that arrives by the one copy.
 _FIELDS = (("input_ids", "token_ids", torch.long), ("positions", "positions", torch.long),
            ("slot_mapping", "slot_mapping", torch.long), ("table_rows", "table_rows", torch.long),
-           ("context_lens", "context_lens", torch.int32))
+           ("context_lens", "context_lens", torch.int32),
+           ("lora_slots", "lora_slots", torch.int32))
 
 
 class DecodeBuffers:
@@ -134,8 +148,9 @@ class DecodeBuffers:
             setattr(self, name, self._dev[span].view(dtype))
             self._host_views[name] = self._host[span].view(dtype)
             offset += size
-        self._host_views["slot_mapping"].fill_(-1)
-        self.slot_mapping.fill_(-1)
+        for name in ("slot_mapping", "lora_slots"):
+            self._host_views[name].fill_(-1)
+            getattr(self, name).fill_(-1)
         self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         # One token per row, so the query offsets never change.
@@ -184,8 +199,12 @@ class GraphRunner:
         sizes: list[int],
         max_model_len: int,
         tables: DeviceBlockTable,
+        loras: LoRASlots | None = None,
     ):
+        """`loras`: the adapters' slots when LoRA is on (per-row kernels only)."""
+        assert loras is None or loras.per_row, "graphs capture the per-row LoRA kernels only"
         self.model, self.backend = model, backend
+        self.loras = loras
         self.k_caches, self.v_caches = k_caches, v_caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
@@ -201,6 +220,7 @@ class GraphRunner:
         self._replay: dict[int, Callable[[], object]] = {}
         # Speculative decoding's verify steps: a `gpu/verify_graphs.VerifyGraphs`, or None.
         self.verify = None
+        self._replay_lora: dict[int, Callable[[], object]] = {}  # with the LoRA kernels
         self._keep: list[object] = []  # per-bucket metadata (split workspaces) must outlive graphs
         self._pool = None
         self.replays = 0
@@ -222,6 +242,8 @@ class GraphRunner:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
             self._replay[bs] = self._capture_one(bs)
+            if self.loras is not None:
+                self._replay_lora[bs] = self._capture_one(bs, lora=True)
         if self.verify is not None:  # in the same pool (steps replay one at a time)
             self.verify.capture()
         if cuda:
@@ -229,19 +251,22 @@ class GraphRunner:
             self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_seconds = time.perf_counter() - t0
         log.info("Captured %d CUDA graphs for decode batch sizes %s in %.1f s; "
-                 "they take %.2f GiB of GPU memory", len(self.sizes), _span(self.sizes),
+                 "they take %.2f GiB of GPU memory",
+                 len(self._replay) + len(self._replay_lora), _span(self.sizes),
                  self.capture_seconds, self.memory_bytes / GiB)
 
-    def _capture_one(self, bs: int) -> Callable[[], object]:
+    def _capture_one(self, bs: int, lora: bool = False) -> Callable[[], object]:
         inputs = self.buffers.attention_inputs(bs, self.max_model_len)
         meta = self.backend.prepare(inputs, num_splits=self.num_splits(bs))
         self._keep.append(meta)
         ctx = StepContext(self.backend, meta, self.k_caches, self.v_caches)
         ids, positions = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
         out = self.hidden[:bs]
+        rows = self.buffers.lora_slots[:bs]
 
         def forward() -> None:
-            out.copy_(self.model(ids, positions, ctx))
+            with self.loras.rows(rows) if lora else contextlib.nullcontext():
+                out.copy_(self.model(ids, positions, ctx))
 
         return self._record(forward)
 
@@ -280,9 +305,11 @@ class GraphRunner:
         if not batch.is_decode_only:
             return self.verify.run(batch)
         bucket = bucket_for(batch.num_seqs, self.sizes)
-        self.buffers.load(pad_decode_batch(batch, bucket, self.tables.padding_row))
+        lora = self.loras is not None and any(batch.lora_ids)
+        slots = self.loras.row_slots(batch.lora_ids) if lora else None
+        self.buffers.load(pad_decode_batch(batch, bucket, self.tables.padding_row, slots))
         self.fill_tables(batch, self.buffers, bucket)
-        self._replay[bucket]()
+        (self._replay_lora if lora else self._replay)[bucket]()
         self.replays += 1
         return self.hidden[: batch.num_seqs]
 

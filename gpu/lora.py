@@ -16,6 +16,11 @@ scheduler guarantees); the host cache holds up to `--max-cpu-loras` parsed adapt
 (least recently used out, read again from disk when needed). Adapter ids come from the
 event loop, which never reuses one, so a slot or cache entry can never be mistaken for
 a later adapter of the same name.
+
+On CUDA the delta is the Triton kernels' instead (`gpu/triton/lora.py`, `RowLoRALinear`):
+every row carries its slot in one int32 tensor (-1: the base model), so a step's
+delta is two launches per linear whatever its adapters, nothing is grouped on the host,
+and a decode CUDA graph captures it over a static row-slot buffer (`gpu/graphs.py`).
 """
 
 from __future__ import annotations
@@ -23,19 +28,33 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from models.lora import AdapterError, adaptable, read_adapter
+from gpu.staging import Staging
+from models.lora import AdapterError, Target, adaptable, read_adapter
 
 log = logging.getLogger("ridgeline.lora")
 
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# `gpu.triton.lora.add_lora`'s signature: (y, x, A, Bt, row_slots, ranks, spans, slices,
+# max_slice), adding into y in place.
+RowKernel = Callable[..., torch.Tensor]
+
+
+def row_kernel(device: torch.device) -> RowKernel | None:
+    """The per-row delta for this device: the Triton kernels on CUDA; None on CPU, where
+    the rows are grouped per adapter and multiplied by torch ops."""
+    if device.type != "cuda":
+        return None
+    from gpu.triton.lora import add_lora
+
+    return add_lora
 
 
 @dataclass(frozen=True)
@@ -47,10 +66,12 @@ class Group:
 
 
 class StepLoRA:
-    """The groups of the step running now; set only inside `LoRASlots.step`."""
+    """The groups of the step running now, or (per-row kernels) each row's slot; set
+    only inside `LoRASlots.step` or `LoRASlots.rows`."""
 
     def __init__(self) -> None:
         self.groups: list[Group] | None = None
+        self.rows: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
@@ -96,13 +117,63 @@ class LoRALinear(nn.Module):
         self.ranks[slot] = r
 
 
+class RowLoRALinear(LoRALinear):
+    """The same stacked pairs, the delta by a per-row kernel: every row reads its slot
+    from the step's row-slot tensor. Beside the pairs, static device tables the kernel
+    reads (so a CUDA graph sees a new adapter without a new capture): each slot's rank,
+    and per slot and output slice the span of rank columns that slice reads."""
+
+    def __init__(self, base: nn.Module, current: StepLoRA, max_loras: int, rank: int,
+                 dtype: torch.dtype, device: torch.device, slices: list[tuple[int, int]],
+                 kernel: RowKernel):
+        super().__init__(base, current, max_loras, rank, dtype, device)
+        self.kernel, self.slices = kernel, slices
+        self.slice_table = torch.tensor(slices, dtype=torch.int32, device=device)
+        self.max_slice = max(size for _, size in slices)
+        self.rank_table = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.spans = torch.zeros(max_loras, len(slices), 2, dtype=torch.int32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows = self.current.rows
+        if rows is None:
+            return y
+        self.kernel(y.view(-1, self.out_features), x.reshape(-1, self.in_features), self.A,
+                    self.Bt, rows, self.rank_table, self.spans, self.slice_table,
+                    self.max_slice)
+        return y
+
+    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        from gpu.triton.lora import rank_spans
+
+        super().write(slot, pair)
+        spans = rank_spans(pair[1].T, self.slices) if pair else [(0, 0)] * len(self.slices)
+        self.rank_table[slot] = self.ranks[slot]
+        self.spans[slot] = torch.tensor(spans, dtype=torch.int32)
+
+
+def output_slices(targets: dict[str, Target], module: str, out: int) -> list[tuple[int, int]]:
+    """(offset, size) of each part a fused linear's output holds (q, k, v; gate, up), in
+    order; the whole output for a linear of one part."""
+    parts = sorted({(t.offset, t.rows) for t in targets.values()
+                    if t.module == module and t.rows < out})
+    ends = [0] + [o + n for o, n in parts]
+    if parts and all(o == e for (o, _), e in zip(parts, ends)) and ends[-1] == out:
+        return parts
+    return [(0, out)]
+
+
 class LoRASlots:
     """The model thread's adapters: registered paths, the host cache, the slots."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device):
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
+                 kernel: RowKernel | None = None):
+        """`kernel`: the per-row delta (`row_kernel`); None: rows grouped per adapter."""
         self.max_loras, self.max_rank, self.max_cpu = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
+        self.per_row = kernel is not None
+        self._staging = Staging(device) if self.per_row else None
         self.targets, fused = adaptable(model, ADAPTABLE)
         self.current = StepLoRA()
         self.layers: dict[str, LoRALinear] = {}
@@ -110,8 +181,10 @@ class LoRASlots:
             for name, child in list(parent.named_children()):
                 if name in ADAPTABLE:
                     full = f"{prefix}.{name}" if prefix else name
-                    layer = LoRALinear(child, self.current, max_loras,
-                                       max_lora_rank * fused[full], dtype, device)
+                    args = (child, self.current, max_loras, max_lora_rank * fused[full],
+                            dtype, device)
+                    layer = LoRALinear(*args) if kernel is None else RowLoRALinear(
+                        *args, output_slices(self.targets, full, child.out_features), kernel)
                     setattr(parent, name, layer)
                     self.layers[full] = layer
         self.shapes = {n: (m.out_features, m.in_features) for n, m in self.layers.items()}
@@ -119,10 +192,11 @@ class LoRASlots:
         self.cache: OrderedDict[int, Pairs] = OrderedDict()  # least recently used first
         self.slot_of: dict[int, int] = {}
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
-        nbytes = sum(m.A.nbytes + m.Bt.nbytes for m in self.layers.values())
+        self.nbytes = sum(m.A.nbytes + m.Bt.nbytes for m in self.layers.values())
         log.info("LoRA: %d linears adaptable, %d slots of rank up to %d (x the parts a fused "
-                 "linear holds): %.1f MiB", len(self.layers), max_loras, max_lora_rank,
-                 nbytes / 2**20)
+                 "linear holds): %.1f MiB; the delta by %s", len(self.layers), max_loras,
+                 max_lora_rank, self.nbytes / 2**20,
+                 "per-row kernels" if self.per_row else "rows grouped per adapter")
 
     # -- adapters ------------------------------------------------------------------
 
@@ -188,6 +262,15 @@ class LoRASlots:
              device: torch.device) -> Iterator[None]:
         """Within it, the adapted linears add each row's adapter delta. `lora_ids`: per
         sequence (0: the base model), or empty for a step without adapters."""
+        if self.per_row:
+            if not any(lora_ids):  # no adapter in the step: the linears run their base alone
+                yield
+                return
+            slots = self.row_slots(lora_ids)
+            per_token = [s for s, n in zip(slots, query_lens) for _ in range(n)]
+            with self.rows(self._staging.stage((per_token, torch.int32))[0]):
+                yield
+            return
         if self.current.groups is not None:
             raise RuntimeError("LoRA steps do not nest")
         groups = self.groups(lora_ids, query_lens, device) if any(lora_ids) else None
@@ -197,12 +280,34 @@ class LoRASlots:
         finally:
             self.current.groups = None
 
-    def groups(self, lora_ids: list[int], query_lens: list[int],
-               device: torch.device) -> list[Group]:
+    @contextlib.contextmanager
+    def rows(self, row_slots: torch.Tensor) -> Iterator[None]:
+        """Within it, the per-row linears add the delta of each row's slot in `row_slots`
+        (a CUDA graph's static buffer, or a step's staged tensor)."""
+        if self.current.rows is not None:
+            raise RuntimeError("LoRA steps do not nest")
+        self.current.rows = row_slots
+        try:
+            yield
+        finally:
+            self.current.rows = None
+
+    def row_slots(self, lora_ids: list[int]) -> list[int]:
+        """Per sequence, its adapter's slot (written there if it holds none); -1 for the
+        base model."""
+        keep = self._keep(lora_ids)
+        return [self._slot(i, keep) if i else -1 for i in lora_ids]
+
+    def _keep(self, lora_ids: list[int]) -> set[int]:
         keep = set(lora_ids) - {0}
         if len(keep) > self.max_loras:
             raise ValueError(f"a step holds {len(keep)} adapters; --max-loras is "
                              f"{self.max_loras}")
+        return keep
+
+    def groups(self, lora_ids: list[int], query_lens: list[int],
+               device: torch.device) -> list[Group]:
+        keep = self._keep(lora_ids)
         rows: dict[int, list[tuple[int, int]]] = {}
         start = 0
         for lora_id, n in zip(lora_ids, query_lens):

@@ -22,7 +22,7 @@ from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
-from gpu.lora import LoRASlots
+from gpu.lora import LoRASlots, row_kernel
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
@@ -74,7 +74,7 @@ class RunnerSpec:
     # and the running requests from which nobody drafts.
     num_speculative_tokens: int = 0
     disable_by_batch_size: int | None = None
-    enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`; CPU only for now)
+    enable_lora: bool = False  # LoRA adapters per request (`gpu/lora.py`)
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
@@ -236,7 +236,9 @@ class ModelRunner:
             ),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
-            weights_bytes=weights_bytes,
+            # Sized from the GPU's memory, the pool leaves room for the LoRA slots too.
+            weights_bytes=weights_bytes + (self.loras.nbytes if self.loras is not None
+                                           and self._auto_sized() else 0),
             kv_cache_memory=spec.kv_cache_memory,
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
@@ -271,11 +273,9 @@ class ModelRunner:
         spec = self.spec
         if not spec.enable_lora:
             return None
-        if self.device.type != "cpu":
-            raise ValueError(f"--enable-lora runs on the CPU path only for now; the device is "
-                             f"{self.device} (docs/lora.md)")
         return LoRASlots(self.model, spec.max_loras, spec.max_lora_rank,
-                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device)
+                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device,
+                         kernel=row_kernel(self.device))
 
     def _auto_sized(self) -> bool:
         """True when the pool takes what the GPU has left (no explicit size given)."""
@@ -322,7 +322,7 @@ class ModelRunner:
         spec = self.spec
         graphs = GraphRunner(self.model, self.backend, self.k_caches, self.v_caches,
                              sizes=self.graph_sizes, max_model_len=spec.max_model_len,
-                             tables=self.tables)
+                             tables=self.tables, loras=self.loras)
         if spec.num_speculative_tokens:
             from gpu.verify_graphs import VerifyGraphs, verify_sizes
 

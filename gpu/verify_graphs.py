@@ -67,6 +67,7 @@ class PaddedVerify:
     context_lens: list[int]
     table_rows: list[int]
     logit_rows: list[int]
+    lora_slots: list[int]  # per token, all -1: a batch with an adapter runs eagerly
 
 
 def pad_verify_batch(batch: Batch, bucket: int, row_len: int, padding_row: int
@@ -92,6 +93,7 @@ def pad_verify_batch(batch: Batch, bucket: int, row_len: int, padding_row: int
         context_lens=batch.context_lens + [0] * (bucket - batch.num_seqs),
         table_rows=rows + [padding_row] * (bucket - len(rows)),
         logit_rows=logit_rows(batch, ends) or [],
+        lora_slots=[-1] * (bucket * row_len),
     )
 
 

@@ -27,6 +27,9 @@ the model's users first, then the sections that need its memory back):
   spec_decode  speculative decoding: a verify step (eager and in the verify graphs' padded
                layout) against the reference; greedy ids with ngram speculation through
                the decode and verify graphs equal plain decoding's on a tiny fp32 model
+  lora         the per-row LoRA kernels against their reference at Llama-3-8B shapes (and
+               their time beside the base linear's); a tiny model's greedy ids with two
+               adapters and the base in one batch, graphs on, vs the adapters merged
   pytest       the kernel and graph tests, natively, with whatever time is left
 and a final table of each figure against its roofline floor. Results go to
 OUT_DIR/gpu_check.json after every section (a kill still leaves what was done).
@@ -74,6 +77,7 @@ from gpu_check_common import (
     wall_time,
 )
 from gpu_check_engine import engine
+from gpu_check_lora import lora
 from gpu_check_parity import hf_parity, large_pool
 from gpu_check_roofline import (
     attention,
@@ -183,7 +187,7 @@ def pytest_section(check: Check) -> dict:
     files = ["tests/test_graphs.py"] if check.smoke else [
         "tests/test_kernels.py", "tests/test_fused_kernels.py", "tests/test_graphs.py",
         "tests/test_sliding_window.py", "tests/test_spec_verify_kernels.py",
-        "tests/test_spec_verify_graphs.py"]
+        "tests/test_spec_verify_graphs.py", "tests/test_lora_kernels.py"]
     if importlib.util.find_spec("pytest") is None:
         return {"pytest": "not installed: built-in comparison only"}
     timeout = max(30.0, min(check.args.pytest_timeout_s, check.left_s()))
@@ -360,6 +364,7 @@ def main() -> int:
     check.section("large_pool", large_pool)
     check.section("engine", engine)
     check.section("spec_decode", spec_decode)
+    check.section("lora", lora)
     check.section("pytest", pytest_section)
     rows = table(check.results)
     check.results["table"] = rows

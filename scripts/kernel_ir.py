@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from gpu.triton import (  # noqa: E402
     decode_splits,
     kv_store,
+    lora,
     paged_decode,
     prefill,
     rms_norm,
@@ -119,6 +120,15 @@ def kernels() -> dict[str, tuple]:
                          dict(BLOCK=4096, ADD_RESIDUAL=True), dict(num_warps=8)),
         "silu_and_mul": (silu._silu_and_mul_kernel, {"gate_up_ptr": BF16, "out_ptr": BF16},
                          dict(BLOCK=silu.BLOCK), dict(num_warps=4)),
+        "lora_shrink": (lora._shrink_kernel,
+                        {"x_ptr": BF16, "a_ptr": BF16, "slots_ptr": "*i32", "ranks_ptr": "*i32",
+                         "inter_ptr": "*fp32"},
+                        dict(BLOCK_R=lora.BLOCK_R, BLOCK_K=lora.BLOCK_K, K_SPLIT=lora.K_SPLIT),
+                        dict(num_warps=4)),
+        "lora_expand": (lora._expand_kernel,
+                        {"inter_ptr": "*fp32", "bt_ptr": BF16, "slots_ptr": "*i32",
+                         "spans_ptr": "*i32", "slices_ptr": "*i32", "y_ptr": BF16},
+                        dict(BLOCK_R=lora.BLOCK_R, BLOCK_N=lora.BLOCK_N), dict(num_warps=4)),
     }
 
 

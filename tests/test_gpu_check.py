@@ -31,7 +31,7 @@ runpy.run_path({str(ROOT / "scripts" / "gpu_check.py")!r}, run_name="__main__")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for section in ("env", "kernels", "roofline", "attention", "model", "sync_audit", "parity",
                     "bucket_sweep", "speed", "anatomy", "gil", "hf_parity", "large_pool",
-                    "engine", "spec_decode", "pytest"):
+                    "engine", "spec_decode", "lora", "pytest"):
         assert section in results, section
     assert results["sync_audit"]["graph_greedy_b8"]["result_waits"] == 1
     assert results["table"], "no table"

@@ -106,3 +106,25 @@ def paged_decode_attention_ref(
     return prefill_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
+
+
+def add_lora_ref(
+    y: torch.Tensor,  # [T, out], added to in place
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [slots, R, in]
+    bt: torch.Tensor,  # [slots, R, out]
+    row_slots: torch.Tensor,  # [>= T] int, -1 = no adapter
+    ranks: torch.Tensor,  # [slots] int: the ranks of each slot that are read
+) -> torch.Tensor:
+    """Row t of slot s gets `(x[t] A[s, :r]^T) B^T[s, :r]` (r = ranks[s]) added, in fp32
+    and rounded once; a row of slot -1 and a slot of rank 0 get nothing. The whole B^T of
+    a fused linear: the kernel's per-slice spans must give the same sums."""
+    slots, r_of = row_slots.tolist(), ranks.tolist()
+    for t in range(x.shape[0]):
+        s = slots[t]
+        if s < 0 or not r_of[s]:
+            continue
+        r = r_of[s]
+        delta = (x[t].float() @ a[s, :r].float().T) @ bt[s, :r].float()
+        y[t] = (y[t].float() + delta).to(y.dtype)
+    return y
