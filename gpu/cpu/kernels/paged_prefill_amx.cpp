@@ -44,7 +44,6 @@
 #include <vector>
 
 #include "amx.h"
-#include "fast_exp.h"
 #include "lanes.h"
 #include "prefill_args.h"
 
@@ -166,6 +165,23 @@ void matmul(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int6
   }
 }
 
+// 2^t for t <= 0, good to a few parts in 1e5: enough for p, which is rounded to bf16
+// (8 significant bits) before p·v. exp_nonpositive (fast_exp.h) is good to ~1 ulp of
+// fp32 at several times the operations, and the softmax is most of this kernel's time
+// once the products run on the tile unit. t = n + f with n an integer and |f| <= 1/2;
+// 2^f by its Taylor series to degree 4 (the next term is below 5e-5 of it); scalef
+// multiplies by 2^n and underflows to 0 far below the row's maximum.
+inline __m512 exp2_nonpositive(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.0096181291f);                       // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));       // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));       // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));       // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // p [W] bf16 = the softmax numerators of s [W] * scale over [lo, hi), 0 elsewhere;
 // returns their fp32 sum.
 float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale,
@@ -182,12 +198,14 @@ float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale
   Vec m = lanes::splat(-std::numeric_limits<float>::infinity());
   for (int64_t j = from; j < to; j += kTile)
     m = lanes::max_where(seen(j), m, lanes::load(s + j));
-  const Vec top = lanes::splat(lanes::max_lanes(m)), sc = lanes::splat(scale);
+  // e^(scale (s - max)) = 2^(s log2(e) scale - max log2(e) scale): one FMA a lane.
+  const float k = scale * 1.44269504088896341f;
+  const Vec sc = lanes::splat(k), shift = lanes::splat(-lanes::max_lanes(m) * k);
   Vec sum = lanes::zero();
   std::fill(p, p + from, uint16_t{0});
   for (int64_t j = from; j < to; j += kTile) {
-    const Vec x = lanes::mul(lanes::sub(lanes::load(s + j), top), sc);
-    const Vec e = lanes::zero_unless(seen(j), exp_nonpositive(x));
+    const Vec t = _mm512_min_ps(lanes::fmadd(lanes::load(s + j), sc, shift), lanes::zero());
+    const Vec e = lanes::zero_unless(seen(j), exp2_nonpositive(t));
     sum = lanes::add(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
