@@ -172,3 +172,22 @@ def test_backend_prefills_bf16_on_amx_only_where_the_cpu_has_it(amx, dtype, head
     nothing = torch.zeros(0, 3, head_dim, dtype=dtype)  # no new keys to store
     backend.forward(q, nothing, nothing, k_pool, v_pool, step)
     assert calls == [expected]
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [0, 100])
+def test_amx_prefill_splits_a_long_prompt_into_runs_for_the_threads(window) -> None:
+    """With few sequences for the threads, a sequence's tiles are split into runs that
+    each pack the keys they see: the result must not depend on the thread count."""
+    q, k_pool, v_pool, meta = make_step([300], [400], 16, 3, 3, 64)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 8):  # one run; then several (4 x 8 threads over 3 units)
+            torch.set_num_threads(n)
+            outs.append(run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, 16, window))
+    finally:
+        torch.set_num_threads(threads)
+    ref = reference(q, k_pool, v_pool, meta, 16, window)
+    torch.testing.assert_close(outs[1][:400].float(), ref[:400], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)

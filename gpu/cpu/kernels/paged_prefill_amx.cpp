@@ -8,15 +8,14 @@
 // products, and the tile unit multiplies bf16 several times faster than fp32 FMAs
 // (benchmarks/cpu_prefill_ab.py times both kernels and torch's SDPA).
 //
-// Two passes:
-//   1. per (sequence, KV head): its keys [first, n) packed once into the tile unit's B
-//      layout, which pairs consecutive k: keys as kt [D/2][L] words (each word the
-//      key's dims 2i, 2i+1), values as vp [L/2][D] words (each word a dim of keys 2j,
-//      2j+1); L is the keys rounded up to 32, the rest zero. Every query tile of the
-//      sequence reads them.
-//   2. per (sequence, tile of new tokens, KV head): rows are the tile's tokens x the G
-//      query heads of that KV head (row r: token r / G, head r % G), up to 64, padded
-//      to tiles of 16 with zero rows:
+// Work unit: (sequence, KV head, a run of consecutive tiles of its new tokens):
+//   1. the keys the run sees, [first, n), packed into the tile unit's B layout, which
+//      pairs consecutive k: keys as kt [D/2][L] words (each word the key's dims 2i,
+//      2i+1), values as vp [L/2][D] words (each word a dim of keys 2j, 2j+1); L is the
+//      keys rounded up to 32, the rest zero. A run is all of a sequence's tiles unless
+//      there are too few units for the threads, so keys are packed about once a call.
+//   2. per tile: rows are the tile's tokens x the G query heads of that KV head (row r:
+//      token r / G, head r % G), up to 64, padded to tiles of 16 with zero rows:
 //        s [rows][keys] fp32 = q · kᵀ over the tile's keys (from the first key its first
 //          token sees, rounded down to 32, to its last token's position + 1);
 //        softmax along each row over the keys its token sees (causal, inside the
@@ -24,7 +23,7 @@
 //          keys it cannot see 0;
 //        o [rows][D] fp32 = p · v, divided by the row's sum.
 // The whole row of scores is kept (no running softmax): a tile's rows x its keys in
-// fp32 and bf16, per thread.
+// fp32 and bf16, and the packed keys, in per-thread buffers kept between calls.
 //
 // Tiles (all 16 rows x 64 bytes): C 0-3 (up to four 16 x 16 fp32 results), A 4 (16 rows
 // x 32 bf16 of q or p), B 6-7 (16 word rows x 16 columns of kt or vp).
@@ -40,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -213,6 +211,11 @@ float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale
   return lanes::sum_lanes(sum);
 }
 
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& query_starts,
                  const at::Tensor& query_lens, const at::Tensor& context_lens,
@@ -232,82 +235,86 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     return window > 0 ? std::max<int64_t>(0, p + 1 - window) : int64_t{0};
   };
 
-  // Pass 1: each sequence's keys [first[b], lens[b]) packed, L[b] of them, at offset[b].
-  std::vector<int64_t> first(S), L(S), offset(S + 1, 0);
-  int64_t max_L = 0;
-  for (int64_t b = 0; b < S; ++b) {
-    first[b] = first_seen(lens[b] - qlens[b]);
-    L[b] = (lens[b] - first[b] + kChunk - 1) / kChunk * kChunk;
-    offset[b + 1] = offset[b] + KVH * L[b] * D;  // uint16 values of kt (and of vp)
-    max_L = std::max(max_L, L[b]);
-  }
-  std::unique_ptr<uint16_t[]> packed(new uint16_t[2 * offset[S]]);
-  uint16_t* kt_all = packed.get();
-  uint16_t* vp_all = kt_all + offset[S];
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / KVH, h = u % KVH, base = offset[b] + h * L[b] * D;
-      pack(k_ptr + h * num_slots * D, v_ptr + h * num_slots * D, tables + b * table_row,
-           first[b], lens[b], block_size, D, L[b], reinterpret_cast<uint32_t*>(kt_all + base),
-           vp_all + base);
-    }
-  });
-
-  // Pass 2: tiles of up to kMaxRows rows, a sequence's new tokens split evenly.
-  struct Tile { int64_t b, i0, tq; };
-  std::vector<Tile> work;
+  // Tiles of up to kMaxRows rows, a sequence's new tokens split evenly; a work unit is
+  // (sequence, KV head, a run of its tiles), the runs short enough for some units per
+  // thread (a long prompt alone in a step still takes every thread).
+  struct Tile { int64_t i0, tq; };
+  struct Unit { int64_t b, h, begin, end; };  // tiles [begin, end) of `tiles`
+  std::vector<Tile> tiles;
+  std::vector<Unit> units;
   const int64_t most = std::max<int64_t>(1, kMaxRows / G);
+  const int64_t runs = std::max<int64_t>(1, (4 * at::get_num_threads() + S * KVH - 1) / (S * KVH));
   for (int64_t b = 0; b < S; ++b) {
     const int64_t count = (qlens[b] + most - 1) / most;
-    const int64_t size = (qlens[b] + count - 1) / count;
+    const int64_t size = (qlens[b] + count - 1) / count, first = tiles.size();
     for (int64_t i0 = 0; i0 < qlens[b]; i0 += size)
-      work.push_back({b, i0, std::min<int64_t>(size, qlens[b] - i0)});
+      tiles.push_back({i0, std::min<int64_t>(size, qlens[b] - i0)});
+    const int64_t n = static_cast<int64_t>(tiles.size()) - first;
+    const int64_t parts = std::min(runs, n);
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r = 0; r < parts; ++r)
+        units.push_back({b, h, first + n * r / parts, first + n * (r + 1) / parts});
   }
   const int64_t max_rows = (most * G + kTile - 1) / kTile * kTile;
-  at::parallel_for(0, static_cast<int64_t>(work.size()) * KVH, 1, [&](int64_t begin,
-                                                                      int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     configure();
-    std::vector<uint16_t> qa(max_rows * D), p(max_rows * max_L);
-    std::vector<float> s(max_rows * max_L), o(max_rows * D), sums(max_rows);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const Tile& t = work[unit / KVH];
-      const int64_t b = t.b, h = unit % KVH, rows = t.tq * G;
-      const int64_t M = (rows + kTile - 1) / kTile * kTile;
-      const int64_t pos0 = lens[b] - qlens[b] + t.i0;  // the tile's first token
-      // Keys [ks, ks + W) of the packed ones; ks a multiple of 32 (a p·v chunk).
-      const int64_t ks = (first_seen(pos0) - first[b]) / kChunk * kChunk;
-      const int64_t W = (pos0 + t.tq - first[b] - ks + kChunk - 1) / kChunk * kChunk;
-      for (int64_t r = 0; r < M; ++r) {
-        uint16_t* dst = qa.data() + r * D;
-        if (r < rows) {
-          const uint16_t* src = q_ptr + (starts[b] + t.i0 + r / G) * q.stride(0) +
-                                (h * G + r % G) * q.stride(1);
-          std::copy(src, src + D, dst);
-        } else {
-          std::fill(dst, dst + D, uint16_t{0});
+    // Per thread, kept between calls: a call's buffers are then not fresh pages.
+    thread_local std::vector<uint16_t> qa, p, packed;
+    thread_local std::vector<float> s, o, sums;
+    for (int64_t i = begin; i < end; ++i) {
+      const Unit& u = units[i];
+      const int64_t b = u.b, h = u.h, prefix = lens[b] - qlens[b];
+      // The run's keys [first, n) packed, L of them (kt then vp).
+      const int64_t first = first_seen(prefix + tiles[u.begin].i0);
+      const int64_t n = prefix + tiles[u.end - 1].i0 + tiles[u.end - 1].tq;
+      const int64_t L = (n - first + kChunk - 1) / kChunk * kChunk;
+      grow(qa, max_rows * D);
+      grow(p, max_rows * L);
+      grow(packed, 2 * L * D);
+      grow(s, max_rows * L);
+      grow(o, max_rows * D);
+      grow(sums, max_rows);
+      uint32_t* kt = reinterpret_cast<uint32_t*>(packed.data());
+      uint16_t* vp = packed.data() + L * D;
+      pack(k_ptr + h * num_slots * D, v_ptr + h * num_slots * D, tables + b * table_row,
+           first, n, block_size, D, L, kt, vp);
+      for (int64_t ti = u.begin; ti < u.end; ++ti) {
+        const Tile& t = tiles[ti];
+        const int64_t rows = t.tq * G, M = (rows + kTile - 1) / kTile * kTile;
+        const int64_t pos0 = prefix + t.i0;  // the tile's first token
+        // Keys [ks, ks + W) of the packed ones; ks a multiple of 32 (a p·v chunk).
+        const int64_t ks = (first_seen(pos0) - first) / kChunk * kChunk;
+        const int64_t W = (pos0 + t.tq - first - ks + kChunk - 1) / kChunk * kChunk;
+        for (int64_t r = 0; r < M; ++r) {
+          uint16_t* dst = qa.data() + r * D;
+          if (r < rows) {
+            const uint16_t* src = q_ptr + (starts[b] + t.i0 + r / G) * q.stride(0) +
+                                  (h * G + r % G) * q.stride(1);
+            std::copy(src, src + D, dst);
+          } else {
+            std::fill(dst, dst + D, uint16_t{0});
+          }
         }
-      }
-      const int64_t base = offset[b] + h * L[b] * D;
-      const auto* kt = reinterpret_cast<const uint32_t*>(kt_all + base);
-      matmul(qa.data(), D, kt + ks, L[b], M, W, D, s.data(), W);
-      for (int64_t r = 0; r < M; ++r) {
-        uint16_t* pr = p.data() + r * W;
-        if (r >= rows) {
-          std::fill(pr, pr + W, uint16_t{0});
-          continue;
+        matmul(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
+        for (int64_t r = 0; r < M; ++r) {
+          uint16_t* pr = p.data() + r * W;
+          if (r >= rows) {
+            std::fill(pr, pr + W, uint16_t{0});
+            continue;
+          }
+          const int64_t pos = pos0 + r / G;
+          sums[r] = softmax_row(s.data() + r * W, W, first_seen(pos) - first - ks,
+                                pos + 1 - first - ks, static_cast<float>(scale), pr);
         }
-        const int64_t pos = pos0 + r / G;
-        sums[r] = softmax_row(s.data() + r * W, W, first_seen(pos) - first[b] - ks,
-                              pos + 1 - first[b] - ks, static_cast<float>(scale), pr);
-      }
-      const auto* vp = reinterpret_cast<const uint32_t*>(vp_all + base) + ks / 2 * D;
-      matmul(p.data(), W, vp, D, M, D, W, o.data(), D);
-      for (int64_t r = 0; r < rows; ++r) {
-        c10::BFloat16* dst = out_ptr + (starts[b] + t.i0 + r / G) * out.stride(0) +
-                             (h * G + r % G) * out.stride(1);
-        const lanes::Vec inv = lanes::splat(1.f / sums[r]);
-        for (int64_t d = 0; d < D; d += kTile)
-          lanes::store(dst + d, lanes::mul(lanes::load(o.data() + r * D + d), inv));
+        matmul(p.data(), W, reinterpret_cast<const uint32_t*>(vp) + ks / 2 * D, D, M, D, W,
+               o.data(), D);
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* dst = out_ptr + (starts[b] + t.i0 + r / G) * out.stride(0) +
+                               (h * G + r % G) * out.stride(1);
+          const lanes::Vec inv = lanes::splat(1.f / sums[r]);
+          for (int64_t d = 0; d < D; d += kTile)
+            lanes::store(dst + d, lanes::mul(lanes::load(o.data() + r * D + d), inv));
+        }
       }
     }
     _tile_release();
