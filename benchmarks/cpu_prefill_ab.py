@@ -10,7 +10,8 @@ the context, the rest a cached prefix (15,64,832: the chat load's wave, 64 new t
 after a 768-token shared prefix). SmolLM2-135M's heads (9 query, 3 KV, dim 64), pool
 blocks of 16 shuffled as a scheduler leaves them. Each round times every variant (the
 order rotated each round), each sample the median of `--calls` calls; reports the
-medians, the ratios to the FMA kernel, and the host's CPU and ISA.
+medians, the per-round ratios to the FMA kernel (and SDPA's to the AMX kernel), and the
+host's CPU and ISA.
 """
 
 from __future__ import annotations
@@ -112,10 +113,14 @@ def main() -> None:
             # Median of the per-round ratios: each pair ran back to back.
             row[f"fma_over_{v}"] = statistics.median(
                 f / x for f, x in zip(ms["fma"], ms[v], strict=True))
+        if "amx" in ms:
+            row["sdpa_over_amx"] = statistics.median(
+                x / y for x, y in zip(ms["sdpa"], ms["amx"], strict=True))
         rows.append(row)
         print(f"{a.dtype} threads={a.threads} {shape}: " + ", ".join(
             f"{v} {row[f'{v}_ms']:.2f} ms" for v in names) + " | " + ", ".join(
-            f"fma/{v} {row[f'fma_over_{v}']:.2f}" for v in names[1:]), flush=True)
+            f"fma/{v} {row[f'fma_over_{v}']:.2f}" for v in names[1:])
+            + (f", sdpa/amx {row['sdpa_over_amx']:.2f}" if "amx" in ms else ""), flush=True)
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"host": describe(), "rows": rows}, indent=1))
