@@ -20,7 +20,9 @@ prefill rows (several new tokens).
 - Prefill rows: with the C++ kernels, one call reads the pool in place too
   (`paged_prefill.cpp`): after a cached prefix the new tokens are few and the keys many,
   and the gather and masked SDPA below copy every cached key and value of the group once
-  per layer (`benchmarks/cpu_decode_ab.py` times both paths). Otherwise
+  per layer (`benchmarks/cpu_decode_ab.py` times both paths); a bf16 model on a CPU with
+  AMX takes `paged_prefill_amx.cpp`, the same call with the products on the tile unit
+  (`benchmarks/cpu_prefill_ab.py`). Otherwise
   scaled_dot_product_attention with a mask that is causal within the new tokens and
   hides the padding.
 Index and mask tensors are built once per step in `prepare()`; a sliding window's
@@ -105,6 +107,9 @@ class TorchAttentionBackend(AttentionBackend):
         # RoPE joined to the KV store in one C++ pass per token (rotary_kv_store.cpp).
         self.fuses_rotary = capabilities.has("rotary_kv_store_")
         self.prefills_in_place = capabilities.has("paged_prefill_")
+        # bf16 prefill on the tile unit where the CPU has AMX (paged_prefill_amx.cpp).
+        self.prefills_on_amx = (capabilities.amx and capabilities.has("paged_prefill_amx_")
+                                and head_dim % 32 == 0)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -164,7 +169,8 @@ class TorchAttentionBackend(AttentionBackend):
                                  g, sliding_window)
             elif self.prefills_in_place and q.dtype in self.KERNEL_DTYPES:
                 # Reads the pool in place and writes the group's rows of `out` itself.
-                self.kernels.paged_prefill_(
+                amx = self.prefills_on_amx and q.dtype == k_cache.dtype == torch.bfloat16
+                (self.kernels.paged_prefill_amx_ if amx else self.kernels.paged_prefill_)(
                     out, q, k_cache, v_cache, g.block_tables, g.query_starts, g.query_lens,
                     g.context_lens, self.block_size, self.scale, sliding_window or 0)
                 continue

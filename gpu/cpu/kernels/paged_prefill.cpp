@@ -36,12 +36,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "fast_exp.h"
 #include "lanes.h"
 #include "paged.h"
+#include "prefill_args.h"
 
 namespace {
 
@@ -97,12 +99,26 @@ inline void score_keys(const float* qt, int64_t R, const T* k, int64_t D, float*
 }
 #endif
 
-// s[key][row] for the keys [first, n): q·k for every row of the tile.
+// s[key][row] for the keys [first, n): q·k for every row of the tile. bf16 keys are
+// widened a run at a time into `wide` (block_size x D floats), so the inner loop
+// broadcasts a float from memory instead of widening each key value once per row vector.
 template <typename T>
 void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, int64_t first,
-                 int64_t n, int64_t block_size, int64_t D, float* s) {
+                 int64_t n, int64_t block_size, int64_t D, float* s, float* wide) {
   for_each_run(k, D, table, first, n, block_size, [&](int64_t slot, int64_t at, int64_t count) {
-    const T* rows = k + slot * D;
+    const float* rows;
+    if constexpr (std::is_same_v<T, float>) {
+      rows = k + slot * D;
+    } else {
+      const T* src = k + slot * D;
+      int64_t i = 0;
+#ifdef LANES_VECTORS
+      for (; i + lanes::kLanes <= count * D; i += lanes::kLanes)
+        lanes::store(wide + i, lanes::load(src + i));
+#endif
+      for (; i < count * D; ++i) wide[i] = to_float(src[i]);
+      rows = wide;
+    }
     int64_t t = 0;
 #ifdef LANES_VECTORS
     for (; t + 4 <= count; t += 4) score_keys<4>(qt, R, rows + t * D, D, s + (at + t) * R);
@@ -111,7 +127,7 @@ void scores_pass(const float* qt, int64_t R, const T* k, const int32_t* table, i
     for (; t < count; ++t)
       for (int64_t r = 0; r < R; ++r) {
         float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += to_float(rows[t * D + d]) * qt[d * R + r];
+        for (int64_t d = 0; d < D; ++d) acc += rows[t * D + d] * qt[d * R + r];
         s[(at + t) * R + r] = acc;
       }
   });
@@ -183,7 +199,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * KVH, 1, [&](int64_t begin,
                                                                        int64_t end) {
     const int64_t max_rows = (TILE * G + 15) / 16 * 16;
-    std::vector<float> qt(D * max_rows), acc(max_rows * D), sums(max_rows), s;
+    std::vector<float> qt(D * max_rows), acc(max_rows * D), sums(max_rows), s,
+        wide(block_size * D);
     std::vector<int32_t> lo(max_rows), hi(max_rows);
     for (int64_t unit = begin; unit < end; ++unit) {
       const auto [b, i0] = tiles[unit / KVH];
@@ -210,7 +227,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       s.resize(len * R);
       const int32_t* table = tables + b * table_row;
       scores_pass(qt.data(), R, k_ptr + h * num_slots * D, table, first, n, block_size, D,
-                  s.data());
+                  s.data(), wide.data());
       softmax_columns(s.data(), R, len, lo.data(), hi.data(), sums.data());
       values_pass(s.data(), v_ptr + h * num_slots * D, table, first, n, block_size, R, D,
                   acc.data(), 1, R);
@@ -229,34 +246,8 @@ void paged_prefill_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
                     const at::Tensor& query_starts, const at::Tensor& query_lens,
                     const at::Tensor& context_lens, int64_t block_size, double scale,
                     int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() &&
-                  out.stride(2) == 1,
-              "q and out must be [T, H, D] with contiguous D");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k/v pools must be contiguous [kv_heads, slots, head_dim] of one shape");
-  TORCH_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the pool differ");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "num_heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (q.scalar_type() == k_cache.scalar_type() ||
-                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "q, out and the pools must share a dtype, or the pools be bfloat16 for float32 q");
-  for (const at::Tensor* t : {&query_starts, &query_lens, &context_lens})
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() &&
-                    t->numel() == query_starts.numel(),
-                "query_starts, query_lens and context_lens: one int32 per sequence");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                  block_tables.stride(1) == 1 && block_tables.size(0) == query_starts.numel(),
-              "block_tables: one int32 row per sequence");
-  const int32_t* starts = query_starts.const_data_ptr<int32_t>();
-  const int32_t* qlens = query_lens.const_data_ptr<int32_t>();
-  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
-  for (int64_t b = 0; b < query_starts.numel(); ++b)
-    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && starts[b] >= 0 &&
-                    starts[b] + qlens[b] <= q.size(0) &&
-                    (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
-                "sequence ", b, ": its new tokens, context or block table are out of range");
+  check_prefill_args(out, q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                     context_lens, block_size);
   if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat) {
     prefill<float, float>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
                           context_lens, block_size, scale, window, out);

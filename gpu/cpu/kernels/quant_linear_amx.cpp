@@ -35,12 +35,10 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "quant_blocks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
@@ -48,20 +46,8 @@ using namespace quant;
 
 constexpr int kTileRows = 16;
 
-// Linux hands a process the AMX state only when asked (once per process).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::permitted;
+using amx::TileConfig;
 
 // Tiles for x tiles of r0 and r1 rows (r1 may be 0).
 void configure(int r0, int r1) {
@@ -174,7 +160,7 @@ void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
 at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_amx";
-  TORCH_CHECK(amx_permitted(), op, ": Linux refused this process the AMX state");
+  TORCH_CHECK(permitted(), op, ": Linux refused this process the AMX state");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be bfloat16 [M, K] with contiguous rows, got ", x.scalar_type(), " ",
               x.sizes());
@@ -203,6 +189,6 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear_amx(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_amx));
-  m.def("amx_usable() -> bool", &amx_permitted);
+  m.def("amx_usable() -> bool", &amx::permitted);
 }
 #endif

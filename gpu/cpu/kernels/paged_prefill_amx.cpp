@@ -1,0 +1,349 @@
+// Paged prefill attention for a bf16 model on AMX: paged_prefill.cpp's interface and
+// result (the new tokens attend to their cached prefix and, causally, to themselves,
+// read from the head-major pool), with q·k and p·v done by the tile unit: bf16
+// products summed in fp32, as torch's own bf16 attention sums them.
+//
+// Why: paged_prefill.cpp computes the scores and p·v with fp32 vector FMAs. After a
+// long cached prefix (a chat's system prompt) most of a prefill step is those two
+// products, and the tile unit multiplies bf16 several times faster than fp32 FMAs
+// (benchmarks/cpu_prefill_ab.py times both kernels and torch's SDPA).
+//
+// Work unit: (sequence, KV head, a run of consecutive tiles of its new tokens):
+//   1. the keys the run sees, [first, n), packed into the tile unit's B layout, which
+//      pairs consecutive k: keys as kt [D/2][L] words (each word the key's dims 2i,
+//      2i+1), values as vp [L/2][D] words (each word a dim of keys 2j, 2j+1); L is the
+//      keys rounded up to 32, the rest zero. A run is all of a sequence's tiles unless
+//      there are too few units for the threads, so keys are packed about once a call.
+//   2. per tile: rows are the tile's tokens x the G query heads of that KV head (row r:
+//      token r / G, head r % G), up to 64, padded to tiles of 16 with zero rows:
+//        s [rows][keys] fp32 = q · kᵀ over the tile's keys (from the first key its first
+//          token sees, rounded down to 32, to its last token's position + 1);
+//        softmax along each row over the keys its token sees (causal, inside the
+//          sliding window when one is set), fp32, scale applied here; p rounded to bf16,
+//          keys it cannot see 0;
+//        o [rows][D] fp32 = p · v, divided by the row's sum.
+// The whole row of scores is kept (no running softmax): a tile's rows x its keys in
+// fp32 and bf16, and the packed keys, in per-thread buffers kept between calls.
+//
+// Tiles (all 16 rows x 64 bytes): C 0-3 (up to four 16 x 16 fp32 results), A 4 (16 rows
+// x 32 bf16 of q or p), B 6-7 (16 word rows x 16 columns of kt or vp).
+//
+// Layout and limits: those of paged_prefill_ (q, out and the pools bf16), and D a
+// multiple of 32 (a row of an A tile). Registered only where AMX is compiled in.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "amx.h"
+#include "lanes.h"
+#include "prefill_args.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+namespace {
+
+constexpr int64_t kTile = 16;    // rows of a tile; columns of a B or C tile
+constexpr int64_t kChunk = 32;   // bf16 values in a tile row: the k of one product
+constexpr int64_t kMaxRows = 64; // query rows a work unit aims for (tokens x G)
+
+void configure() {
+  amx::TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTile;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// A pair of equal-length uint16 rows as words (a[i] low, b[i] high), 32 values a time.
+inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uint16_t* out) {
+  alignas(64) static constexpr uint16_t kLo[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {
+      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t d = 0; d < D; d += kChunk) {
+    const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+    _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+    _mm512_storeu_si512(out + 2 * d + kChunk, _mm512_permutex2var_epi16(x, hi, y));
+  }
+}
+
+// 16 rows of 16 words transposed in place: four butterfly stages, stage w swapping bit
+// w of the row index with bit w of the column index.
+inline void transpose16(__m512i r[16]) {
+  for (int w = 8; w >= 1; w /= 2) {
+    alignas(64) int32_t lo_idx[16], hi_idx[16];
+    for (int j = 0; j < 16; ++j) {
+      lo_idx[j] = (j & w) ? 16 + j - w : j;  // row i: its own low half, then p's
+      hi_idx[j] = (j & w) ? 16 + j : j + w;  // row p = i + w: i's high half, then its own
+    }
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+    for (int i = 0; i < 16; ++i) {
+      if (i & w) continue;
+      const __m512i a = r[i], b = r[i + w];
+      r[i] = _mm512_permutex2var_epi32(a, lo, b);
+      r[i + w] = _mm512_permutex2var_epi32(a, hi, b);
+    }
+  }
+}
+
+// Packs one (sequence, KV head): kt [D/2][L] and vp [L/2][D] words (see the top).
+void pack(const uint16_t* k_pool, const uint16_t* v_pool, const int32_t* table,
+          int64_t first, int64_t n, int64_t block_size, int64_t D, int64_t L, uint32_t* kt,
+          uint16_t* vp) {
+  const int64_t len = n - first;
+  auto row = [&](const uint16_t* pool, int64_t t) {
+    return pool + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
+  };
+  __m512i r[16];
+  for (int64_t j0 = 0; j0 < L; j0 += kTile) {
+    const uint16_t* keys[kTile];
+    for (int64_t jj = 0; jj < kTile; ++jj)
+      keys[jj] = j0 + jj < len ? row(k_pool, first + j0 + jj) : nullptr;
+    for (int64_t i0 = 0; i0 < D / 2; i0 += kTile) {
+      for (int64_t jj = 0; jj < kTile; ++jj)
+        r[jj] = keys[jj] ? _mm512_loadu_si512(keys[jj] + 2 * i0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t ii = 0; ii < kTile; ++ii) _mm512_storeu_si512(kt + (i0 + ii) * L + j0, r[ii]);
+    }
+  }
+  const std::vector<uint16_t> zeros(D, 0);
+  for (int64_t j = 0; j < L; j += 2) {
+    const uint16_t* a = j < len ? row(v_pool, first + j) : zeros.data();
+    const uint16_t* b = j + 1 < len ? row(v_pool, first + j + 1) : zeros.data();
+    interleave_rows(a, b, D, vp + j * D);
+  }
+}
+
+// c [M][N] fp32 (row stride ldc floats) = a [M][K] bf16 (row stride lda) · b, where b is
+// K/2 word rows of N columns (row stride ldb words); M, N multiples of 16, K of 32.
+void matmul(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t M,
+            int64_t N, int64_t K, float* c, int64_t ldc) {
+  for (int64_t m = 0; m < M; m += kTile) {
+    for (int64_t n0 = 0; n0 < N; n0 += 4 * kTile) {
+      const int64_t tiles = std::min<int64_t>(4, (N - n0) / kTile);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < K; k += kChunk) {
+        _tile_loadd(4, a + m * lda + k, lda * 2);
+        const uint32_t* bk = b + (k / 2) * ldb + n0;
+        _tile_loadd(6, bk, ldb * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        if (tiles > 1) {
+          _tile_loadd(7, bk + kTile, ldb * 4);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (tiles > 2) {
+          _tile_loadd(6, bk + 2 * kTile, ldb * 4);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (tiles > 3) {
+          _tile_loadd(7, bk + 3 * kTile, ldb * 4);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      float* cm = c + m * ldc + n0;
+      _tile_stored(0, cm, ldc * 4);
+      if (tiles > 1) _tile_stored(1, cm + kTile, ldc * 4);
+      if (tiles > 2) _tile_stored(2, cm + 2 * kTile, ldc * 4);
+      if (tiles > 3) _tile_stored(3, cm + 3 * kTile, ldc * 4);
+    }
+  }
+}
+
+// 2^t for t <= 0, good to a few parts in 1e5: enough for p, which is rounded to bf16
+// (8 significant bits) before p·v. exp_nonpositive (fast_exp.h) is good to ~1 ulp of
+// fp32 at several times the operations, and the softmax is most of this kernel's time
+// once the products run on the tile unit. t = n + f with n an integer and |f| <= 1/2;
+// 2^f by its Taylor series to degree 4 (the next term is below 5e-5 of it); scalef
+// multiplies by 2^n and underflows to 0 far below the row's maximum.
+inline __m512 exp2_nonpositive(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.0096181291f);                       // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));       // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));       // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));       // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// p [W] bf16 = the softmax numerators of s [W] * scale over [lo, hi), 0 elsewhere;
+// returns their fp32 sum.
+float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale,
+                  uint16_t* p) {
+  using lanes::Vec;
+  const __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto seen = [&](int64_t j) {  // lanes j + l with lo <= j + l < hi
+    const __m512i key = _mm512_add_epi32(ids, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    return static_cast<__mmask16>(
+        _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
+        _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(hi))));
+  };
+  const int64_t from = lo / kTile * kTile, to = (hi + kTile - 1) / kTile * kTile;
+  Vec m = lanes::splat(-std::numeric_limits<float>::infinity());
+  for (int64_t j = from; j < to; j += kTile)
+    m = lanes::max_where(seen(j), m, lanes::load(s + j));
+  // e^(scale (s - max)) = 2^(s log2(e) scale - max log2(e) scale): one FMA a lane.
+  const float k = scale * 1.44269504088896341f;
+  const Vec sc = lanes::splat(k), shift = lanes::splat(-lanes::max_lanes(m) * k);
+  Vec sum = lanes::zero();
+  std::fill(p, p + from, uint16_t{0});
+  for (int64_t j = from; j < to; j += kTile) {
+    const Vec t = _mm512_min_ps(lanes::fmadd(lanes::load(s + j), sc, shift), lanes::zero());
+    const Vec e = lanes::zero_unless(seen(j), exp2_nonpositive(t));
+    sum = lanes::add(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  std::fill(p + to, p + W, uint16_t{0});
+  return lanes::sum_lanes(sum);
+}
+
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& query_starts,
+                 const at::Tensor& query_lens, const at::Tensor& context_lens,
+                 int64_t block_size, double scale, int64_t window, at::Tensor& out) {
+  const int64_t S = query_starts.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), num_slots = k_cache.size(1), G = H / KVH;
+  const int32_t* starts = query_starts.const_data_ptr<int32_t>();
+  const int32_t* qlens = query_lens.const_data_ptr<int32_t>();
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int64_t table_row = block_tables.stride(0);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.const_data_ptr<c10::BFloat16>());
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.const_data_ptr<c10::BFloat16>());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.const_data_ptr<c10::BFloat16>());
+  c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  auto first_seen = [&](int64_t p) {
+    return window > 0 ? std::max<int64_t>(0, p + 1 - window) : int64_t{0};
+  };
+
+  // Tiles of up to kMaxRows rows, a sequence's new tokens split evenly; a work unit is
+  // (sequence, KV head, a run of its tiles), the runs short enough for some units per
+  // thread (a long prompt alone in a step still takes every thread).
+  struct Tile { int64_t i0, tq; };
+  struct Unit { int64_t b, h, begin, end; };  // tiles [begin, end) of `tiles`
+  std::vector<Tile> tiles;
+  std::vector<Unit> units;
+  const int64_t most = std::max<int64_t>(1, kMaxRows / G);
+  const int64_t runs = std::max<int64_t>(1, (4 * at::get_num_threads() + S * KVH - 1) / (S * KVH));
+  for (int64_t b = 0; b < S; ++b) {
+    const int64_t count = (qlens[b] + most - 1) / most;
+    const int64_t size = (qlens[b] + count - 1) / count, first = tiles.size();
+    for (int64_t i0 = 0; i0 < qlens[b]; i0 += size)
+      tiles.push_back({i0, std::min<int64_t>(size, qlens[b] - i0)});
+    const int64_t n = static_cast<int64_t>(tiles.size()) - first;
+    const int64_t parts = std::min(runs, n);
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r = 0; r < parts; ++r)
+        units.push_back({b, h, first + n * r / parts, first + n * (r + 1) / parts});
+  }
+  const int64_t max_rows = (most * G + kTile - 1) / kTile * kTile;
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    configure();
+    // Per thread, kept between calls: a call's buffers are then not fresh pages.
+    thread_local std::vector<uint16_t> qa, p, packed;
+    thread_local std::vector<float> s, o, sums;
+    for (int64_t i = begin; i < end; ++i) {
+      const Unit& u = units[i];
+      const int64_t b = u.b, h = u.h, prefix = lens[b] - qlens[b];
+      // The run's keys [first, n) packed, L of them (kt then vp).
+      const int64_t first = first_seen(prefix + tiles[u.begin].i0);
+      const int64_t n = prefix + tiles[u.end - 1].i0 + tiles[u.end - 1].tq;
+      const int64_t L = (n - first + kChunk - 1) / kChunk * kChunk;
+      grow(qa, max_rows * D);
+      grow(p, max_rows * L);
+      grow(packed, 2 * L * D);
+      grow(s, max_rows * L);
+      grow(o, max_rows * D);
+      grow(sums, max_rows);
+      uint32_t* kt = reinterpret_cast<uint32_t*>(packed.data());
+      uint16_t* vp = packed.data() + L * D;
+      pack(k_ptr + h * num_slots * D, v_ptr + h * num_slots * D, tables + b * table_row,
+           first, n, block_size, D, L, kt, vp);
+      for (int64_t ti = u.begin; ti < u.end; ++ti) {
+        const Tile& t = tiles[ti];
+        const int64_t rows = t.tq * G, M = (rows + kTile - 1) / kTile * kTile;
+        const int64_t pos0 = prefix + t.i0;  // the tile's first token
+        // Keys [ks, ks + W) of the packed ones; ks a multiple of 32 (a p·v chunk).
+        const int64_t ks = (first_seen(pos0) - first) / kChunk * kChunk;
+        const int64_t W = (pos0 + t.tq - first - ks + kChunk - 1) / kChunk * kChunk;
+        for (int64_t r = 0; r < M; ++r) {
+          uint16_t* dst = qa.data() + r * D;
+          if (r < rows) {
+            const uint16_t* src = q_ptr + (starts[b] + t.i0 + r / G) * q.stride(0) +
+                                  (h * G + r % G) * q.stride(1);
+            std::copy(src, src + D, dst);
+          } else {
+            std::fill(dst, dst + D, uint16_t{0});
+          }
+        }
+        matmul(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
+        for (int64_t r = 0; r < M; ++r) {
+          uint16_t* pr = p.data() + r * W;
+          if (r >= rows) {
+            std::fill(pr, pr + W, uint16_t{0});
+            continue;
+          }
+          const int64_t pos = pos0 + r / G;
+          sums[r] = softmax_row(s.data() + r * W, W, first_seen(pos) - first - ks,
+                                pos + 1 - first - ks, static_cast<float>(scale), pr);
+        }
+        matmul(p.data(), W, reinterpret_cast<const uint32_t*>(vp) + ks / 2 * D, D, M, D, W,
+               o.data(), D);
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* dst = out_ptr + (starts[b] + t.i0 + r / G) * out.stride(0) +
+                               (h * G + r % G) * out.stride(1);
+          const lanes::Vec inv = lanes::splat(1.f / sums[r]);
+          for (int64_t d = 0; d < D; d += kTile)
+            lanes::store(dst + d, lanes::mul(lanes::load(o.data() + r * D + d), inv));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+void paged_prefill_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& query_starts, const at::Tensor& query_lens,
+                        const at::Tensor& context_lens, int64_t block_size, double scale,
+                        int64_t window) {
+  const char* op = "paged_prefill_amx_";
+  TORCH_CHECK(amx::permitted(), op, ": Linux refused this process the AMX state");
+  paged::check_prefill_args(out, q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                            context_lens, block_size);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, op,
+              ": q and the pools must be bfloat16");
+  TORCH_CHECK(q.size(2) % kChunk == 0, op, ": head_dim must be a multiple of 32, got ",
+              q.size(2));
+  prefill_amx(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
+              block_size, scale, window, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("paged_prefill_amx_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor query_starts, Tensor query_lens, Tensor context_lens, "
+        "int block_size, float scale, int window) -> ()");
+  m.impl("paged_prefill_amx_", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_amx_));
+}
+#endif
