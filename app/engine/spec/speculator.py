@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from app.engine.outputs import RequestSpecDecodeMetrics
 from app.engine.request import Request
 from app.engine.spec.config import SpeculativeConfig
 from app.engine.spec.proposer import Proposer, make_proposer
@@ -50,6 +51,7 @@ class SpecProgress:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    metrics: RequestSpecDecodeMetrics | None = None  # --per-request-spec-decode-metrics
 
 
 @dataclass
@@ -64,10 +66,11 @@ class SpecCounts:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, metrics_level: str = "none"):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer or make_proposer(config)
+        self.metrics_level = metrics_level  # --per-request-spec-decode-metrics
         self.step = 0
         self.counts = SpecCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.total = SpecCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -95,6 +98,13 @@ class Speculator:
             if draft:
                 out[req.request_id] = draft
         return out
+
+    def admit(self, req: Request) -> None:
+        """`req` arrived: with per-request metrics on, its record starts here, so that a
+        request that never drafts reports zero steps (as vLLM's does)."""
+        if self.metrics_level != "none":
+            req.spec = SpecProgress(metrics=RequestSpecDecodeMetrics.new(
+                self.config.num_speculative_tokens, self.metrics_level == "detailed"))
 
     def finish(self, req: Request) -> None:
         """`req` ended: the proposer lets go of what it kept for it."""
@@ -131,6 +141,8 @@ class Speculator:
         p.num_drafts += 1
         p.num_draft_tokens += drafted
         p.num_accepted_tokens += accepted
+        if p.metrics is not None:
+            p.metrics.observe(drafted, accepted)
         p.rate = (1 - EMA) * p.rate + EMA * accepted / drafted
         if p.rate < self.config.min_acceptance_rate:
             p.paused_until = self.step + p.pause
