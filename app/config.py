@@ -265,9 +265,13 @@ class EngineConfig:
                              "--tokenizer or --chat-template")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
-        if self.per_request_spec_decode_metrics not in SPEC_METRICS_LEVELS:
+        level = self.per_request_spec_decode_metrics
+        if level not in SPEC_METRICS_LEVELS:
             raise ValueError(f"per_request_spec_decode_metrics must be one of "
-                             f"{SPEC_METRICS_LEVELS}, got {self.per_request_spec_decode_metrics!r}")
+                             f"{SPEC_METRICS_LEVELS}, got {level!r}")
+        if level != "none" and self.speculative_config is None:  # vLLM refuses it too
+            raise ValueError("per_request_spec_decode_metrics requires speculative decoding "
+                             "(--speculative-config)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -110,6 +110,8 @@ def test_server_reports_acceptance_for_one_sequence(tiny_dir, want):
         srv.stop()
 
 
-def test_the_flag_refuses_an_unknown_level(tiny_dir):
+def test_the_flag_refuses_an_unknown_level_and_a_plain_engine(tiny_dir):
     with pytest.raises(ValueError, match="per_request_spec_decode_metrics"):
-        tiny_config(tiny_dir, per_request_spec_decode_metrics="full")
+        tiny_config(tiny_dir, speculative_config=SPEC, per_request_spec_decode_metrics="full")
+    with pytest.raises(ValueError, match="requires speculative decoding"):
+        tiny_config(tiny_dir, per_request_spec_decode_metrics="summary")
