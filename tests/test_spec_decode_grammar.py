@@ -1,6 +1,6 @@
 """Speculative decoding with a grammar, on a tiny random Llama: the same tokens as plain
 decoding, output that the grammar accepts, and a matcher that ends every step at the
-request's real output.
+request's real output; offline and through the real server.
 
 The scripted proposer drafts the plain run's own continuation with about one token in
 three changed: a changed token is either outside the grammar (the speculator cuts the
@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import pytest
 
 from app import SamplingParams
 from app.engine.grammar import StructuredOutput
 from app.engine.spec.speculator import grammar_prefix
+from tests.server_harness import ServerThread, tiny_config
 from tests.test_spec_decode import SPEC, ScriptedProposer, assert_clean, make_llm
 
 pytest.importorskip("xgrammar")
@@ -125,3 +127,20 @@ def test_grammar_prefix_and_draft_masks_leave_the_matcher_as_it_was(tiny_dir):
         assert bool((grammars.fill(matcher) == masks[j + 1]).all())
     assert matcher.accept_token(stop) and matcher.is_terminated()
     llm.shutdown()
+
+
+def test_server_speculates_under_response_format(tiny_dir, plain):
+    srv = ServerThread(tiny_config(tiny_dir, speculative_config=SPEC)).start()
+    try:
+        srv.engine.core.speculator.proposer = ScriptedProposer(
+            {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain[0.0])})
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": SCHEMA}}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == plain[0.0][0].text
+        assert srv.engine.core.speculator.total.num_accepted_tokens > 0
+        srv.engine.core.check_invariants()
+    finally:
+        srv.stop()
