@@ -50,7 +50,10 @@ from models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "smollm2"
-LLAMACPP_NGRAM = ("--spec-type ngram-simple --spec-ngram-simple-size-n 3 "
+# llama-server's speculation, NAME=FLAGS;...: its prompt lookup, with our ngram's draft
+# length and a lookup length inside our 2-5. Its other model-free types are there too:
+# "...;ngram-mod=--spec-type ngram-mod" (a hashed n-gram pool kept across requests).
+LLAMACPP_SPECS = ("ngram=--spec-type ngram-simple --spec-ngram-simple-size-n 3 "
                   "--spec-ngram-simple-size-m 5")
 
 
@@ -77,7 +80,9 @@ def servers(a) -> dict[str, list[str]]:
                 NAME, "--host", "127.0.0.1", "-t", threads, "-tb", threads, "-np", "1",
                 "-c", "4096", "--sse-ping-interval", "-1"]
         out["llamacpp-plain"] = base
-        out["llamacpp-ngram"] = base + shlex.split(a.llamacpp_spec)
+        for entry in filter(None, a.llamacpp_specs.split(";")):
+            name, _, flags = entry.partition("=")
+            out[f"llamacpp-{name.strip()}"] = base + shlex.split(flags)
         if a.llamacpp_draft:
             out["llamacpp-draft"] = base + ["-md", a.llamacpp_draft, "--spec-draft-n-max", "4"]
     return out
@@ -174,7 +179,8 @@ def main() -> None:
                     "(default: the GGUF Ridgeline ships)")
     ap.add_argument("--vllm-venv", type=Path, default=ROOT / "benchmarks/.venv-vllm")
     ap.add_argument("--llamacpp-dir", type=Path, default=ROOT / "benchmarks/.llama-cpp")
-    ap.add_argument("--llamacpp-spec", default=LLAMACPP_NGRAM)
+    ap.add_argument("--llamacpp-specs", default=LLAMACPP_SPECS,
+                    help="llama-server's speculative servers, NAME=FLAGS;... (see above)")
     ap.add_argument("--llamacpp-draft", default=None, help="a draft GGUF for llama-server")
     ap.add_argument("--ridgeline-dtype", default="auto")
     ap.add_argument("--vllm-dtype", default="bfloat16")
