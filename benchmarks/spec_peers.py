@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,14 @@ def start(name: str, cmd: list[str], port: int, a, logs: Path) -> subprocess.Pop
     raise RuntimeError(f"{name} was not healthy in time: see {log.name}")
 
 
+def free_port() -> int:
+    """A port nobody listens on now (the OS's pick): a fixed one can be another
+    benchmark's, whose requests would land on this run's server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def complete(port: int, prompt: list[int], max_tokens: int) -> types.SimpleNamespace:
     """One streamed greedy completion: its text, tokens, TPOT and acceptance."""
     body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -184,7 +193,6 @@ def main() -> None:
     ap.add_argument("--llamacpp-draft", default=None, help="a draft GGUF for llama-server")
     ap.add_argument("--ridgeline-dtype", default="auto")
     ap.add_argument("--vllm-dtype", default="bfloat16")
-    ap.add_argument("--port", type=int, default=8400)
     a = ap.parse_args()
     a.servers = a.servers.split(",")
     a.gguf = a.gguf or default_gguf_path()
@@ -194,8 +202,8 @@ def main() -> None:
     cmds = servers(a)
     procs, ports = {}, {}
     try:
-        for i, (name, cmd) in enumerate(cmds.items()):
-            ports[name] = a.port + i
+        for name, cmd in cmds.items():
+            ports[name] = free_port()
             print(f"starting {name}: {shlex.join(cmd)}", flush=True)
             procs[name] = start(name, cmd, ports[name], a, out.parent)
             complete(ports[name], tok.encode("Hello"), 8)  # warm-up
