@@ -22,6 +22,7 @@ from app.engine.spec.config import SpeculativeConfig
 PREEMPTION_POLICIES = ("newest", "priority", "length")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPEC_METRICS_LEVELS = ("none", "summary", "detailed")  # vLLM's choices
 KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's flag; its fp8 choices are not built
 DEFAULT_MAX_MODEL_LEN = 4096  # cap for models whose context is larger, unless asked
 
@@ -231,6 +232,11 @@ class EngineConfig:
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; "
         "output is the same as without it (docs/speculative.md; draft_model: CPU only for now)")
+    per_request_spec_decode_metrics: str = setting(
+        "none", "with --speculative-config: each request's acceptance (mean acceptance "
+        "length, draft acceptance rate, histogram of accepted drafts per step; detailed: "
+        "each step's counts too) in the response's metrics.speculative_decoding, for n=1",
+        choices=SPEC_METRICS_LEVELS)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -259,6 +265,13 @@ class EngineConfig:
                              "--tokenizer or --chat-template")
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        level = self.per_request_spec_decode_metrics
+        if level not in SPEC_METRICS_LEVELS:
+            raise ValueError(f"per_request_spec_decode_metrics must be one of "
+                             f"{SPEC_METRICS_LEVELS}, got {level!r}")
+        if level != "none" and self.speculative_config is None:  # vLLM refuses it too
+            raise ValueError("per_request_spec_decode_metrics requires speculative decoding "
+                             "(--speculative-config)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

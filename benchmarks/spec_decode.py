@@ -50,40 +50,46 @@ FILES = ["app/engine/kv_blocks.py", "app/engine/scheduler.py", "app/engine/core.
 RENAMES = [("req", "request"), ("seq", "sequence"), ("out", "result"), ("self", "this")]
 
 
-def code_of(llm: LLM, round_: int, tokens: int) -> str:
+def code_of(tokenizer, round_: int, tokens: int) -> str:
     code = (ROOT / FILES[round_ % len(FILES)]).read_text()
-    return llm.tokenizer.decode(llm.tokenizer.encode(code)[:tokens])
+    return tokenizer.decode(tokenizer.encode(code)[:tokens])
 
 
-def chat(llm: LLM, messages: list[dict]) -> list[int]:
-    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            tokenize=True)
+def chat(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     # The answer starts the code block, as a model that follows the ask would.
-    return ids + llm.tokenizer.encode("```python\n")
+    return ids + tokenizer.encode("```python\n")
 
 
-def repeat_prompt(llm: LLM, round_: int, tokens: int = 1000) -> list[int]:
+def repeat_prompt(tokenizer, round_: int, tokens: int = 1000) -> list[int]:
     """A chat prompt asking to repeat ~`tokens` of real code with one name changed."""
     ask = ("Repeat the following Python code exactly, but rename the variable `table` to "
-           "`blocks_of`. Output only the code.\n\n" + code_of(llm, round_, tokens))
-    return chat(llm, [{"role": "user", "content": ask}])
+           "`blocks_of`. Output only the code.\n\n" + code_of(tokenizer, round_, tokens))
+    return chat(tokenizer, [{"role": "user", "content": ask}])
 
 
-def agent_loop(llm: LLM, round_: int, turns: int, params: SamplingParams) -> list:
-    """Turns that resend the history with one more rename asked; the outputs."""
-    code = code_of(llm, round_, 500)
+def agent_turns(tokenizer, round_: int, turns: int, answer) -> list:
+    """Turns that resend the history with one more rename asked; `answer(prompt_ids)`
+    gives a turn's output (anything with `.text`); the outputs. The servers' benchmark
+    (`spec_peers.py`) drives the same turns over HTTP."""
+    code = code_of(tokenizer, round_, 500)
     messages = [{"role": "user", "content": "Here is a Python file. Output it with "
                  f"`{RENAMES[0][0]}` renamed to `{RENAMES[0][1]}`, only the code.\n\n"
                  + code}]
     outs = []
     for t in range(turns):
-        out = llm.generate([chat(llm, messages)], params, use_tqdm=False)[0]
+        out = answer(chat(tokenizer, messages))
         outs.append(out)
         old, new = RENAMES[(t + 1) % len(RENAMES)]
         messages += [{"role": "assistant", "content": "```python\n" + out.text},
                      {"role": "user", "content": f"Good. Now also rename `{old}` to "
                       f"`{new}` and output the whole file again."}]
     return outs
+
+
+def agent_loop(llm: LLM, round_: int, turns: int, params: SamplingParams) -> list:
+    return agent_turns(llm.tokenizer, round_, turns,
+                       lambda ids: llm.generate([ids], params, use_tqdm=False)[0])
 
 
 def tpot(out) -> float:
@@ -120,7 +126,7 @@ def main() -> None:
 
     def run(name: str, llm: LLM, r: int) -> list:
         if name == "repeat":
-            return llm.generate([repeat_prompt(plain, r)], greedy, use_tqdm=False)
+            return llm.generate([repeat_prompt(plain.tokenizer, r)], greedy, use_tqdm=False)
         if name == "agent":
             return agent_loop(llm, r, a.turns, greedy)
         return llm.generate(randoms if name == "random8" else randoms[:1], fixed,

@@ -112,8 +112,8 @@ class EngineCore:
         sched = self.config.scheduler
         self.admission = AdmissionController(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.speculator = None if spec is None else Speculator(
-            spec, self.max_model_len,
-            DraftModelProposer(self.worker, spec.draft_window) if draft_dir else None)
+            spec, self.max_model_len, DraftModelProposer(self.worker, spec.draft_window)
+            if draft_dir else None, self.config.per_request_spec_decode_metrics)
         self.scheduler = Scheduler(sched, self.blocks, self.admission, self.speculator, self.loras)
         # Block tables reach the model thread as deltas to its persistent rows.
         self.table_rows = TableRows(sched.max_num_seqs)

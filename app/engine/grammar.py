@@ -14,7 +14,10 @@ Each step the core fills one bitmask row per constrained request (the tokens the
 grammar allows next) and hands it to the model thread on the request's sampling row;
 the sampler masks the logits before choosing (greedy included). After the step, the
 sampled token advances the matcher; a grammar that has reached its end ends the
-request (`finish_reason: stop`). Unconstrained requests pay nothing.
+request (`finish_reason: stop`). Under speculative decoding a step scores several
+positions: each gets the mask after the drafts before it (`fill_drafts`), and the
+matcher then accepts only the tokens verification kept. Unconstrained requests pay
+nothing.
 
 xgrammar is imported, and the workers started, on first use: the engine runs without
 them until a request asks.
@@ -264,6 +267,22 @@ class GrammarService:
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
+
+    def fill_drafts(self, matcher, drafts: list[int]) -> list:
+        """The bitmask rows of a speculating request's positions 0..k: position j is
+        scored as if drafts 1..j were output, so its mask is the grammar's state after
+        them. The matcher walks the drafts (which it accepts: the speculator kept only
+        those) and rolls back, so between steps it stays at the request's real output."""
+        xgr = self._xgr()
+        masks = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        for j, token in enumerate(drafts):
+            matcher.fill_next_token_bitmask(masks, j)
+            if not matcher.accept_token(token):
+                matcher.rollback(j)
+                raise RuntimeError(f"draft token {token} is outside the grammar")
+        matcher.fill_next_token_bitmask(masks, len(drafts))
+        matcher.rollback(len(drafts))
+        return list(masks)
 
     def shutdown(self) -> None:
         """Kill every compile (the server is stopping)."""

@@ -150,4 +150,5 @@ class OutputProcessor:
             if finished or req.num_output_tokens == 1 else None,
             prompt_logprobs=req.prompt_logprobs
             if finished or req.num_output_tokens == 1 else None,
+            spec_decode_metrics=req.spec.metrics if finished and req.spec is not None else None,
         )

@@ -27,6 +27,52 @@ class RequestMetrics:
 
 
 @dataclass
+class RequestSpecDecodeMetrics:
+    """One request's verifications under speculative decoding, on its final output with
+    `--per-request-spec-decode-metrics summary|detailed` (vLLM's class of the same name;
+    `to_dict` is the response's `metrics.speculative_decoding`). `histogram[j]`: the
+    steps that accepted exactly j drafts; `detailed` also keeps each step's accepted and
+    drafted counts, in order (O(steps) memory, hence its own level)."""
+
+    num_spec_tokens: int
+    histogram: list[int]
+    num_draft_tokens: int = 0
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
+
+    @classmethod
+    def new(cls, num_spec_tokens: int, detailed: bool) -> RequestSpecDecodeMetrics:
+        return cls(num_spec_tokens, [0] * (num_spec_tokens + 1),
+                   per_step_accepted=[] if detailed else None,
+                   per_step_drafted=[] if detailed else None)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.histogram[accepted] += 1
+        self.num_draft_tokens += drafted
+        if self.per_step_accepted is not None:
+            self.per_step_accepted.append(accepted)
+            self.per_step_drafted.append(drafted)
+
+    def to_dict(self) -> dict:
+        """vLLM's `SpeculativeDecodingMetrics`: the mean acceptance length counts the
+        target's own token (1.0: no draft kept, or no step drafted); the acceptance rate
+        counts drafts only."""
+        steps = sum(self.histogram)
+        accepted = sum(j * count for j, count in enumerate(self.histogram))
+        out = {"mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+               "draft_acceptance_rate": (accepted / self.num_draft_tokens
+                                         if self.num_draft_tokens else 0.0),
+               "acceptance_histogram": list(self.histogram), "num_spec_steps": steps,
+               "num_accepted_draft_tokens": accepted,
+               "num_draft_tokens": self.num_draft_tokens,
+               "num_spec_tokens": self.num_spec_tokens}
+        if self.per_step_accepted:
+            out["per_step_accepted"] = list(self.per_step_accepted)
+            out["per_step_drafted"] = list(self.per_step_drafted)
+        return out
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +90,9 @@ class RequestOutput:
     # first and the final output of a request that asked for them.
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
+    # On the final output, with --per-request-spec-decode-metrics (vLLM's
+    # CompletionOutput.spec_decode_metrics).
+    spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 The row is built once, at admission (`sampling_row`); before each step only what
 changes is brought up to date (`step_rows`: the output index, the bans, a grammar's
 fresh mask). A speculating request sends one row per position it is scored at: its
-own, then one per draft (`app/engine/spec/speculator.py` `draft_rows`). The model
+own, then one per draft (`app/engine/spec/speculator.py` `draft_rows`), each with the
+grammar's mask after the drafts before it (`GrammarService.fill_drafts`). The model
 thread answers one token per row, in order; `sampled_rows` hands each sampled
 sequence its share.
 """
@@ -46,9 +47,15 @@ def step_rows(req: Request, drafts: list[int], grammars: GrammarService) -> list
     row.output_index = req.num_output_tokens
     if row.banned_token_ids and req.num_output_tokens >= req.params.min_tokens:
         row.banned_token_ids = ()  # for good: the output never shrinks
-    if req.grammar is not None:  # a fresh tensor: the last step's may still be read
-        row.allowed = grammars.fill(req.grammar)
-    return [row, *draft_rows(row, req, drafts)] if drafts else [row]
+    if not drafts:
+        if req.grammar is not None:  # a fresh tensor: the last step's may still be read
+            row.allowed = grammars.fill(req.grammar)
+        return [row]
+    masks = None
+    if req.grammar is not None:
+        masks = grammars.fill_drafts(req.grammar, drafts)
+        row.allowed = masks[0]
+    return [row, *draft_rows(row, req, drafts, masks)]
 
 
 def sampled_rows(seqs: list[ScheduledSeq], result: StepResult

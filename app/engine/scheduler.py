@@ -106,6 +106,8 @@ class Scheduler:
             raise QueueFull(f"waiting queue is full ({limit} requests)")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if self.speculator is not None:
+            self.speculator.admit(request)
 
     def abort(self, request: Request) -> None:
         """Take the request out at once; its blocks go back now or after the step in flight."""

@@ -82,6 +82,16 @@ def total_usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, i
     return usage(sum(map(len, prompts)), completion_tokens)
 
 
+def request_metrics(finals: list[RequestOutput | None]) -> dict:
+    """The call's `metrics` field, as vLLM's: `speculative_decoding` (each request's
+    acceptance, with --per-request-spec-decode-metrics), only for a call of one sequence
+    (one prompt, n = 1): for several it would describe one of them. In a stream it rides
+    on the final usage chunk."""
+    if len(finals) != 1 or finals[0] is None or finals[0].spec_decode_metrics is None:
+        return {}
+    return {"metrics": {"speculative_decoding": finals[0].spec_decode_metrics.to_dict()}}
+
+
 class StreamUsage:
     """Token counts while a stream runs: vLLM's `continuous_usage_stats` on each chunk
     (the choice's prompt and its tokens so far), and the final `include_usage` chunk."""

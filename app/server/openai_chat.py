@@ -21,7 +21,14 @@ from app.engine.sampling_params import SamplingParams
 from app.server.body_checks import off_loop_if_large
 from app.server.errors import APIError, parse
 from app.server.logprobs import chat_logprobs, output_entries, vllm_prompt_logprobs
-from app.server.openai import Envelope, StreamUsage, finish, rendered, total_usage
+from app.server.openai import (
+    Envelope,
+    StreamUsage,
+    finish,
+    rendered,
+    request_metrics,
+    total_usage,
+)
 from app.server.protocol import ChatCompletionRequest, NamedToolChoice
 from app.server.reasoning import ChoiceReasoning, ReasoningStream, compiled_for_answer
 from app.server.state import check_model, default_max_tokens, engine, state
@@ -187,8 +194,11 @@ async def chat_chunks(plan: ChatPlan, outputs: AsyncIterator[tuple[int, RequestO
                                 "logprobs": None, "finish_reason": None} for i in range(n)],
                               **counts.so_far(0))
     choices = [ChoiceDeltas(plan) for _ in range(n)]
+    finals: list[RequestOutput | None] = [None] * n
     async for i, out in outputs:
         counts.update(i, out)
+        if out.finished:
+            finals[i] = out
         delta = choices[i].delta(out, always=bool(req.logprobs))
         if delta is not None:
             yield plan.envelope.chunk([{"index": i, "delta": delta,
@@ -196,7 +206,7 @@ async def chat_chunks(plan: ChatPlan, outputs: AsyncIterator[tuple[int, RequestO
                                         **finish(out, choices[i].called)}],
                                       **counts.so_far(i))
     if req.include_usage:
-        yield plan.envelope.chunk([], usage=counts.total())
+        yield plan.envelope.chunk([], usage=counts.total(), **request_metrics(finals))
 
 
 # -- 3. the full response ----------------------------------------------------------------------
@@ -224,7 +234,8 @@ def chat_response(plan: ChatPlan, finals: list[RequestOutput]) -> dict:
         choices.append({"index": i, "message": message, "logprobs": plan.logprobs(out),
                         **finish(out, called="tool_calls" in message)})
     n_out = sum(len(out.token_ids) for out in finals)
-    response = plan.envelope.full(choices, usage=total_usage([plan.prompt], n_out))
+    response = plan.envelope.full(choices, usage=total_usage([plan.prompt], n_out),
+                                  **request_metrics(finals))
     if plan.req.prompt_logprobs is not None:  # vLLM puts it beside the choices for chat
         response["prompt_logprobs"] = vllm_prompt_logprobs(plan.tokenizer, plan.prompt,
                                                            finals[0].prompt_logprobs)

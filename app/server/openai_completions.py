@@ -23,7 +23,14 @@ from app.server.logprobs import (
     prompt_entries,
     vllm_prompt_logprobs,
 )
-from app.server.openai import Envelope, StreamUsage, finish, rendered, total_usage
+from app.server.openai import (
+    Envelope,
+    StreamUsage,
+    finish,
+    rendered,
+    request_metrics,
+    total_usage,
+)
 from app.server.protocol import CompletionRequest
 from app.server.state import check_model, default_max_tokens, engine
 from app.server.streaming import collect, queue_all, sse, started
@@ -124,9 +131,12 @@ async def completion_chunks(plan: CompletionPlan, outputs: AsyncIterator[tuple[i
     req = plan.req
     counts = StreamUsage(plan.prompts, plan.params.n, req.continuous_usage)
     seen: set[int] = set()
+    finals: list[RequestOutput | None] = [None] * len(counts.completion_tokens)
     offset = [0] * len(counts.completion_tokens)  # text sent so far: logprobs' text_offset
     async for i, out in outputs:
         counts.update(i, out)
+        if out.finished:
+            finals[i] = out
         first = i not in seen
         seen.add(i)
         text, entries = plan.text_and_entries(i, out, first)
@@ -139,7 +149,7 @@ async def completion_chunks(plan: CompletionPlan, outputs: AsyncIterator[tuple[i
             yield plan.envelope.chunk([{"index": i, "text": text, "logprobs": lp,
                                         **finish(out)}], **counts.so_far(i))
     if req.include_usage:
-        yield plan.envelope.chunk([], usage=counts.total())
+        yield plan.envelope.chunk([], usage=counts.total(), **request_metrics(finals))
 
 
 # -- 3. the full response ----------------------------------------------------------------------
@@ -155,4 +165,5 @@ def completion_response(plan: CompletionPlan, finals: list[RequestOutput]) -> di
                 plan.tokenizer, plan.prompts[i // plan.params.n], out.prompt_logprobs)
         choices.append(choice)
     n_out = sum(len(out.token_ids) for out in finals)
-    return plan.envelope.full(choices, usage=total_usage(plan.prompts, n_out))
+    return plan.envelope.full(choices, usage=total_usage(plan.prompts, n_out),
+                              **request_metrics(finals))

@@ -5,8 +5,10 @@ drafts for the running requests that are decoding (one known token past their ca
 and may speculate:
 - not when `disable_by_batch_size` or more requests run (decode is no longer
   memory-bound there: the drafts' extra rows would cost real compute);
-- not for a request with a grammar (its matcher would have to walk the drafts and
-  back; it decodes plainly);
+- a request with a grammar keeps its drafts up to the first one its matcher rejects,
+  or the one that would complete the grammar (the target picks that one itself): the
+  drafts walk the matcher and roll it back (`grammar_prefix`), so between steps the
+  matcher is always at the request's real output;
 - not for a request whose recent drafts were mostly rejected: a running average of
   the accepted share below `min_acceptance_rate` pauses it for a number of steps that
   doubles each time it falls below again;
@@ -29,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from app.engine.outputs import RequestSpecDecodeMetrics
 from app.engine.request import Request
 from app.engine.spec.config import SpeculativeConfig
 from app.engine.spec.proposer import Proposer, make_proposer
@@ -48,6 +51,7 @@ class SpecProgress:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    metrics: RequestSpecDecodeMetrics | None = None  # --per-request-spec-decode-metrics
 
 
 @dataclass
@@ -62,10 +66,11 @@ class SpecCounts:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, metrics_level: str = "none"):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer or make_proposer(config)
+        self.metrics_level = metrics_level  # --per-request-spec-decode-metrics
         self.step = 0
         self.counts = SpecCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.total = SpecCounts(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -85,7 +90,21 @@ class Speculator:
         if not asking:
             return {}
         drafts = self.proposer.propose(asking, room)
-        return {r.request_id: d[:k] for r, d, k in zip(asking, drafts, room) if d}
+        out = {}
+        for req, draft, k in zip(asking, drafts, room):
+            draft = draft[:k]
+            if req.grammar is not None:
+                draft = draft[:grammar_prefix(req.grammar, draft)]
+            if draft:
+                out[req.request_id] = draft
+        return out
+
+    def admit(self, req: Request) -> None:
+        """`req` arrived: with per-request metrics on, its record starts here, so that a
+        request that never drafts reports zero steps (as vLLM's does)."""
+        if self.metrics_level != "none":
+            req.spec = SpecProgress(metrics=RequestSpecDecodeMetrics.new(
+                self.config.num_speculative_tokens, self.metrics_level == "detailed"))
 
     def finish(self, req: Request) -> None:
         """`req` ended: the proposer lets go of what it kept for it."""
@@ -93,7 +112,7 @@ class Speculator:
 
     def _room(self, req: Request) -> int:
         """How many drafts `req` may have this step (0: it decodes plainly)."""
-        if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
+        if req.num_tokens - req.num_computed_tokens != 1:
             return 0
         progress = req.spec
         if progress is not None and self.step < progress.paused_until:
@@ -122,6 +141,8 @@ class Speculator:
         p.num_drafts += 1
         p.num_draft_tokens += drafted
         p.num_accepted_tokens += accepted
+        if p.metrics is not None:
+            p.metrics.observe(drafted, accepted)
         p.rate = (1 - EMA) * p.rate + EMA * accepted / drafted
         if p.rate < self.config.min_acceptance_rate:
             p.paused_until = self.step + p.pause
@@ -137,13 +158,34 @@ class Speculator:
         return counts
 
 
-def draft_rows(row: SamplingRow, req: Request, drafts: Sequence[int]) -> list[SamplingRow]:
+def grammar_prefix(matcher, drafts: Sequence[int]) -> int:
+    """How many of `drafts` to keep under the request's grammar: up to the first token
+    the matcher rejects, or the first that terminates it (a stop token: a terminated
+    matcher has no mask for the position after it, and the target's own pick at that
+    position may be the stop token). The matcher ends where it started."""
+    accepted = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+        if matcher.is_terminated():
+            break
+    keep = accepted - 1 if matcher.is_terminated() else accepted
+    if accepted:
+        matcher.rollback(accepted)
+    return keep
+
+
+def draft_rows(row: SamplingRow, req: Request, drafts: Sequence[int],
+               allowed: Sequence | None = None) -> list[SamplingRow]:
     """The sampling rows of draft positions 1..k: `row` (the request's, brought up to
     this step) as it would be with drafts 1..j already output. Each is a new row: its
-    penalty counts are its own (counted afresh on the model thread)."""
+    penalty counts are its own (counted afresh on the model thread). `allowed`: with a
+    grammar, the bitmask of each position 0..k (the grammar's state after drafts 1..j)."""
     n, min_tokens = req.num_output_tokens, req.params.min_tokens
     return [replace(row, output_index=n + j,
                     output_token_ids=req.output_token_ids + list(drafts[:j]),
                     banned_token_ids=row.banned_token_ids if n + j < min_tokens else (),
-                    penalty_state=None)
+                    penalty_state=None,
+                    allowed=row.allowed if allowed is None else allowed[j])
             for j in range(1, len(drafts) + 1)]

@@ -16,8 +16,8 @@ falls below `min_token_prob`.
 The trees follow the requests incrementally: `propose` appends only the tokens a
 request gained since its last step, so a step costs O(depth) per new token and
 O(depth^2) per match, whatever the history's length. A request's tree is dropped when
-it finishes or is aborted (`finish`); a request that never drafted (a grammar, a
-paused one) still leaves its output in the global tree then.
+it finishes or is aborted (`finish`); a request that never drafted (a paused
+one) still leaves its output in the global tree then.
 """
 
 from __future__ import annotations
