@@ -198,6 +198,8 @@ def main() -> None:
     a.gguf = a.gguf or default_gguf_path()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    logs = ROOT / "bench_results" / "spec_peers"  # the servers' logs, never committed
+    logs.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(a.model_dir)
     cmds = servers(a)
     procs, ports = {}, {}
@@ -205,7 +207,7 @@ def main() -> None:
         for name, cmd in cmds.items():
             ports[name] = free_port()
             print(f"starting {name}: {shlex.join(cmd)}", flush=True)
-            procs[name] = start(name, cmd, ports[name], a, out.parent)
+            procs[name] = start(name, cmd, ports[name], a, logs)
             complete(ports[name], tok.encode("Hello"), 8)  # warm-up
         runs: dict = {load: {n: [] for n in cmds} for load in a.loads.split(",")}
         texts: dict = {load: {n: [] for n in cmds} for load in runs}
