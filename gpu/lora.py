@@ -11,6 +11,13 @@ so a group of one sequence is a slice; groups of several sequences gather and
 scatter-add their rows. A step without LoRA rows, and a linear the batch's adapters
 do not adapt, run the base layer alone.
 
+With the C++ kernels built (`gpu/cpu/kernels/lora_delta.cpp`), the rows of the
+sequences with few rows in the step (decodes) take the kernel instead: their rows,
+sorted by slot into segments once per step (`Segments`), get every adapter's delta in
+one call per linear, where torch would make four small calls per adapter. A sequence
+of many rows (a prefill chunk) stays a group of torch matmuls, which are the faster
+at that size.
+
 The slots hold the adapters of the step in flight (at most `--max-loras`, which the
 scheduler guarantees); the host cache holds up to `--max-cpu-loras` parsed adapters
 (least recently used out, read again from disk when needed). Adapter ids come from the
@@ -36,6 +43,9 @@ log = logging.getLogger("ridgeline.lora")
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# A sequence with at least this many rows in a step runs its delta as torch matmuls
+# over its slice; fewer, through the kernel's segments.
+MATMUL_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -46,11 +56,25 @@ class Group:
     rows: slice | torch.Tensor
 
 
-class StepLoRA:
-    """The groups of the step running now; set only inside `LoRASlots.step`."""
+@dataclass(frozen=True)
+class Segments:
+    """The kernel's rows of a step, built once and read by every linear: `order` the
+    rows sorted by slot, `starts` where each slot's segment begins in it (and the end),
+    `slots` each segment's slot (int64 tensors)."""
 
-    def __init__(self) -> None:
+    order: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+
+
+class StepLoRA:
+    """The groups and segments of the step running now; set only inside
+    `LoRASlots.step`. `kernel`: the C++ delta op (`lora_delta_`), or None."""
+
+    def __init__(self, kernel=None) -> None:
         self.groups: list[Group] | None = None
+        self.segments: Segments | None = None
+        self.kernel = kernel
 
 
 class LoRALinear(nn.Module):
@@ -66,12 +90,17 @@ class LoRALinear(nn.Module):
         self.A = torch.zeros(max_loras, rank, self.in_features, dtype=dtype, device=device)
         self.Bt = torch.zeros(max_loras, rank, self.out_features, dtype=dtype, device=device)
         self.ranks = [0] * max_loras  # per slot: 0 where its adapter leaves this linear alone
+        self.rank_table = torch.zeros(max_loras, dtype=torch.long)  # the same, for the kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         groups = self.current.groups
         if groups is None:
             return y
+        segments = self.current.segments
+        if segments is not None:
+            self.current.kernel(y, x, self.A, self.Bt, segments.order, segments.starts,
+                                segments.slots, self.rank_table)
         for g in groups:
             r = self.ranks[g.slot]
             if not r:
@@ -86,6 +115,7 @@ class LoRALinear(nn.Module):
     def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if pair is None:
             self.ranks[slot] = 0
+            self.rank_table[slot] = 0
             return
         a, b = pair
         r = a.shape[0]
@@ -94,17 +124,21 @@ class LoRALinear(nn.Module):
         self.A[slot, :r] = a
         self.Bt[slot, :r] = b.T
         self.ranks[slot] = r
+        self.rank_table[slot] = r
 
 
 class LoRASlots:
     """The model thread's adapters: registered paths, the host cache, the slots."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device):
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
+                 cpu_kernel=None):
+        """`cpu_kernel`: the C++ `lora_delta_` op for the few-row sequences, or None
+        (every group through torch)."""
         self.max_loras, self.max_rank, self.max_cpu = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
         self.targets, fused = adaptable(model, ADAPTABLE)
-        self.current = StepLoRA()
+        self.current = StepLoRA(cpu_kernel)
         self.layers: dict[str, LoRALinear] = {}
         for prefix, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
@@ -190,23 +224,29 @@ class LoRASlots:
         sequence (0: the base model), or empty for a step without adapters."""
         if self.current.groups is not None:
             raise RuntimeError("LoRA steps do not nest")
-        groups = self.groups(lora_ids, query_lens, device) if any(lora_ids) else None
-        self.current.groups = groups
+        groups, segments = self.groups(lora_ids, query_lens, device) if any(lora_ids) \
+            else (None, None)
+        self.current.groups, self.current.segments = groups, segments
         try:
             yield
         finally:
-            self.current.groups = None
+            self.current.groups = self.current.segments = None
 
     def groups(self, lora_ids: list[int], query_lens: list[int],
-               device: torch.device) -> list[Group]:
+               device: torch.device) -> tuple[list[Group], Segments | None]:
+        """The step's torch groups, and the kernel's segments (None: no row for it)."""
         keep = set(lora_ids) - {0}
         if len(keep) > self.max_loras:
             raise ValueError(f"a step holds {len(keep)} adapters; --max-loras is "
                              f"{self.max_loras}")
         rows: dict[int, list[tuple[int, int]]] = {}
+        few: dict[int, list[int]] = {}  # the kernel's rows, per slot
         start = 0
+        kernel = self.current.kernel is not None
         for lora_id, n in zip(lora_ids, query_lens):
-            if lora_id:
+            if lora_id and kernel and n < MATMUL_ROWS:
+                few.setdefault(self._slot(lora_id, keep), []).extend(range(start, start + n))
+            elif lora_id:
                 spans = rows.setdefault(self._slot(lora_id, keep), [])
                 if spans and spans[-1][1] == start:
                     spans[-1] = (spans[-1][0], start + n)
@@ -220,4 +260,13 @@ class LoRASlots:
             else:
                 index = [i for a, b in spans for i in range(a, b)]
                 out.append(Group(slot, torch.tensor(index, dtype=torch.long, device=device)))
-        return out
+        return out, plan_segments(few) if few else None
+
+
+def plan_segments(rows_of_slot: dict[int, list[int]]) -> Segments:
+    order = [r for rows in rows_of_slot.values() for r in rows]
+    starts = [0]
+    for rows in rows_of_slot.values():
+        starts.append(starts[-1] + len(rows))
+    return Segments(torch.tensor(order, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                    torch.tensor(list(rows_of_slot), dtype=torch.long))

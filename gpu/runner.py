@@ -270,8 +270,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             raise ValueError(f"--enable-lora runs on the CPU path only for now; the device is "
                              f"{self.device} (docs/lora.md)")
+        kernel = self.capabilities.op("lora_delta_") if self.capabilities else None
         return LoRASlots(self.model, spec.max_loras, spec.max_lora_rank,
-                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device)
+                         spec.max_cpu_loras or spec.max_loras, self.dtype, self.device, kernel)
 
     def _auto_sized(self) -> bool:
         """True when the pool takes what the GPU has left (no explicit size given)."""

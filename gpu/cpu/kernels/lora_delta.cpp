@@ -1,0 +1,166 @@
+// The LoRA delta of a linear for the few-row sequences of a step (decode rows): for each
+// segment of rows that share an adapter slot, y[rows] += (x[rows] A_s^T) B_s^T, float32
+// or bfloat16 tensors, float32 accumulation (gpu/lora.py plans the segments once per step).
+//
+// Why: in torch that is a gather, two matmuls and a scatter per adapter per linear, each
+// tiny, so a decode step with many adapters ran thousands of dispatches (a bf16 matmul of
+// a few rows costs oneDNN's set-up many times over its arithmetic). Here one call does
+// every segment: A's rows are read once per block of rows of a segment (a dot product
+// with each row's x), then B^T's rows once per block (a scaled add into each row's
+// accumulators), and the sum is added to y once, rounded once to y's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "lanes.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 4;  // rows of a segment that share one pass over A and B^T
+
+// sum_k x[k] * a[k], float32 accumulation.
+template <typename T>
+float dot(const T* x, const T* a, int64_t n) {
+  int64_t k = 0;
+  float s = 0.f;
+#ifdef LANES_VECTORS
+  lanes::Vec acc = lanes::zero();
+  for (; k + lanes::kLanes <= n; k += lanes::kLanes) {
+    acc = lanes::fmadd(lanes::load(x + k), lanes::load(a + k), acc);
+  }
+  s = lanes::sum_lanes(acc);
+#endif
+  for (; k < n; ++k) s += static_cast<float>(x[k]) * static_cast<float>(a[k]);
+  return s;
+}
+
+// y[o] += sum_j h[j] * bt[j][o] for the `nrows` rows of one block: the accumulators stay
+// in float32 until the one rounding into y.
+template <typename T>
+void expand(T* const* y, const float* h, int64_t nrows, const T* bt, int64_t rank,
+            int64_t out) {
+  int64_t o = 0;
+#ifdef LANES_VECTORS
+  for (; o + lanes::kLanes <= out; o += lanes::kLanes) {
+    lanes::Vec acc[kBlock];
+    for (int64_t i = 0; i < nrows; ++i) acc[i] = lanes::zero();
+    for (int64_t j = 0; j < rank; ++j) {
+      const lanes::Vec b = lanes::load(bt + j * out + o);
+      for (int64_t i = 0; i < nrows; ++i) {
+        acc[i] = lanes::fmadd(lanes::splat(h[i * rank + j]), b, acc[i]);
+      }
+    }
+    for (int64_t i = 0; i < nrows; ++i) {
+      lanes::store(y[i] + o, lanes::add(lanes::load(y[i] + o), acc[i]));
+    }
+  }
+#endif
+  for (; o < out; ++o) {
+    for (int64_t i = 0; i < nrows; ++i) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < rank; ++j) {
+        acc += h[i * rank + j] * static_cast<float>(bt[j * out + o]);
+      }
+      y[i][o] = static_cast<T>(static_cast<float>(y[i][o]) + acc);
+    }
+  }
+}
+
+template <typename T>
+void delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
+           const int64_t* order, const int64_t* starts, const int64_t* slots, int64_t groups,
+           const int64_t* ranks) {
+  const int64_t in = x.size(1), out = y.size(1), R = A.size(1);
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* ap = A.const_data_ptr<T>();
+  const T* bp = Bt.const_data_ptr<T>();
+  // Work units: (segment, block of up to kBlock of its rows), so a step of many
+  // adapters, or of one adapter's many rows, spreads over the threads alike.
+  std::vector<int64_t> unit_group, unit_first;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (ranks[slots[g]] == 0) continue;
+    for (int64_t r = starts[g]; r < starts[g + 1]; r += kBlock) {
+      unit_group.push_back(g);
+      unit_first.push_back(r);
+    }
+  }
+  const int64_t units = static_cast<int64_t>(unit_group.size());
+  at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(kBlock * R);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g = unit_group[u], first = unit_first[u];
+      const int64_t nrows = std::min(kBlock, starts[g + 1] - first);
+      const int64_t s = slots[g], rank = ranks[s];
+      const T* a = ap + s * R * in;
+      const T* xrow[kBlock];
+      T* yrow[kBlock];
+      for (int64_t i = 0; i < nrows; ++i) {
+        xrow[i] = xp + order[first + i] * xs;
+        yrow[i] = yp + order[first + i] * ys;
+      }
+      for (int64_t j = 0; j < rank; ++j) {
+        for (int64_t i = 0; i < nrows; ++i) h[i * rank + j] = dot(xrow[i], a + j * in, in);
+      }
+      expand(yrow, h.data(), nrows, bp + s * R * out, rank, out);
+    }
+  });
+}
+
+void lora_delta_(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
+                 const at::Tensor& order, const at::Tensor& starts, const at::Tensor& slots,
+                 const at::Tensor& ranks) {
+  const auto dt = y.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
+              "lora_delta_: y must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == dt && A.scalar_type() == dt && Bt.scalar_type() == dt,
+              "lora_delta_: x, A and Bt must have y's dtype");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1 &&
+                  x.stride(1) == 1,
+              "lora_delta_: y [T, out] and x [T, in] with unit column stride");
+  TORCH_CHECK(A.dim() == 3 && Bt.dim() == 3 && A.is_contiguous() && Bt.is_contiguous() &&
+                  A.size(0) == Bt.size(0) && A.size(1) == Bt.size(1) && A.size(2) == x.size(1) &&
+                  Bt.size(2) == y.size(1),
+              "lora_delta_: A [S, R, in] and Bt [S, R, out], contiguous");
+  for (const at::Tensor* t : {&order, &starts, &slots, &ranks}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "lora_delta_: order, starts, slots and ranks must be 1-D int64");
+  }
+  const int64_t groups = slots.size(0);
+  TORCH_CHECK(starts.size(0) == groups + 1 && ranks.size(0) == A.size(0),
+              "lora_delta_: starts has one more entry than slots; ranks one per slot");
+  const int64_t* st = starts.const_data_ptr<int64_t>();
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  const int64_t* rk = ranks.const_data_ptr<int64_t>();
+  const int64_t* od = order.const_data_ptr<int64_t>();
+  TORCH_CHECK(groups == 0 || (st[0] >= 0 && st[groups] <= order.size(0)),
+              "lora_delta_: starts out of order's range");
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(st[g] <= st[g + 1] && sl[g] >= 0 && sl[g] < A.size(0) && rk[sl[g]] >= 0 &&
+                    rk[sl[g]] <= A.size(1),
+                "lora_delta_: a segment's bounds, slot or rank is out of range");
+    for (int64_t r = st[g]; r < st[g + 1]; ++r) {
+      TORCH_CHECK(od[r] >= 0 && od[r] < y.size(0), "lora_delta_: a row is out of range");
+    }
+  }
+  if (dt == at::kFloat) {
+    delta<float>(y, x, A, Bt, od, st, sl, groups, rk);
+  } else {
+    delta<c10::BFloat16>(y, x, A, Bt, od, st, sl, groups, rk);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("lora_delta_(Tensor(a!) y, Tensor x, Tensor A, Tensor Bt, Tensor order, "
+        "Tensor starts, Tensor slots, Tensor ranks) -> ()");
+  m.impl("lora_delta_", c10::DispatchKey::CPU, TORCH_FN(lora_delta_));
+}
