@@ -46,6 +46,9 @@ Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # A sequence with at least this many rows in a step runs its delta as torch matmuls
 # over its slice; fewer, through the kernel's segments.
 MATMUL_ROWS = 16
+# Runs of a slot's B^T rows that write the same output columns (a fused linear's parts:
+# q, k, v) the kernel reads; an adapter whose B^T has more runs is read whole.
+MAX_PARTS = 3
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class LoRALinear(nn.Module):
         self.Bt = torch.zeros(max_loras, rank, self.out_features, dtype=dtype, device=device)
         self.ranks = [0] * max_loras  # per slot: 0 where its adapter leaves this linear alone
         self.rank_table = torch.zeros(max_loras, dtype=torch.long)  # the same, for the kernel
+        self.parts = torch.zeros(max_loras, MAX_PARTS, 4, dtype=torch.long)  # `expand_parts`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -100,7 +104,7 @@ class LoRALinear(nn.Module):
         segments = self.current.segments
         if segments is not None:
             self.current.kernel(y, x, self.A, self.Bt, segments.order, segments.starts,
-                                segments.slots, self.rank_table)
+                                segments.slots, self.rank_table, self.parts)
         for g in groups:
             r = self.ranks[g.slot]
             if not r:
@@ -116,6 +120,7 @@ class LoRALinear(nn.Module):
         if pair is None:
             self.ranks[slot] = 0
             self.rank_table[slot] = 0
+            self.parts[slot] = 0
             return
         a, b = pair
         r = a.shape[0]
@@ -125,6 +130,28 @@ class LoRALinear(nn.Module):
         self.Bt[slot, :r] = b.T
         self.ranks[slot] = r
         self.rank_table[slot] = r
+        self.parts[slot] = 0
+        for i, part in enumerate(expand_parts(self.Bt[slot, :r])):
+            self.parts[slot, i] = torch.tensor(part)
+
+
+def expand_parts(bt: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(rank from, to, column from, to): the runs of `bt`'s rows that write the same
+    columns (nonzero from the first to the last), all-zero rows left out; the whole
+    of `bt` if that takes more than MAX_PARTS runs."""
+    r, out = bt.shape
+    nz = bt != 0
+    first = nz.int().argmax(1).tolist()
+    last = (out - nz.flip(1).int().argmax(1)).tolist()
+    runs: list[tuple[int, int, int, int]] = []
+    for j, any_ in enumerate(nz.any(1).tolist()):
+        if not any_:
+            continue
+        if runs and runs[-1][1] == j and runs[-1][2:] == (first[j], last[j]):
+            runs[-1] = (runs[-1][0], j + 1, first[j], last[j])
+        else:
+            runs.append((j, j + 1, first[j], last[j]))
+    return runs if len(runs) <= MAX_PARTS else [(0, r, 0, out)]
 
 
 class LoRASlots:

@@ -8,6 +8,11 @@
 // every segment: A's rows are read once per block of rows of a segment (a dot product
 // with each row's x), then B^T's rows once per block (a scaled add into each row's
 // accumulators), and the sum is added to y once, rounded once to y's dtype.
+//
+// A fused linear's B^T is block-diagonal (q's ranks write only q's columns, k's only
+// k's: models/lora.py), so the expand reads it by parts: per slot, up to P runs of rank
+// rows (r0, r1) with the output columns (o0, o1) they write; the zeros around them are
+// neither read nor multiplied.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,17 +45,18 @@ float dot(const T* x, const T* a, int64_t n) {
   return s;
 }
 
-// y[o] += sum_j h[j] * bt[j][o] for the `nrows` rows of one block: the accumulators stay
-// in float32 until the one rounding into y.
+// y[o] += sum_j h[j] * bt[j][o], j in [r0, r1), o in [o0, o1), for the `nrows` rows of
+// one block (h: `rank` values per row): the accumulators stay in float32 until the one
+// rounding into y.
 template <typename T>
 void expand(T* const* y, const float* h, int64_t nrows, const T* bt, int64_t rank,
-            int64_t out) {
-  int64_t o = 0;
+            int64_t out, int64_t r0, int64_t r1, int64_t o0, int64_t o1) {
+  int64_t o = o0;
 #ifdef LANES_VECTORS
-  for (; o + lanes::kLanes <= out; o += lanes::kLanes) {
+  for (; o + lanes::kLanes <= o1; o += lanes::kLanes) {
     lanes::Vec acc[kBlock];
     for (int64_t i = 0; i < nrows; ++i) acc[i] = lanes::zero();
-    for (int64_t j = 0; j < rank; ++j) {
+    for (int64_t j = r0; j < r1; ++j) {
       const lanes::Vec b = lanes::load(bt + j * out + o);
       for (int64_t i = 0; i < nrows; ++i) {
         acc[i] = lanes::fmadd(lanes::splat(h[i * rank + j]), b, acc[i]);
@@ -61,10 +67,10 @@ void expand(T* const* y, const float* h, int64_t nrows, const T* bt, int64_t ran
     }
   }
 #endif
-  for (; o < out; ++o) {
+  for (; o < o1; ++o) {
     for (int64_t i = 0; i < nrows; ++i) {
       float acc = 0.f;
-      for (int64_t j = 0; j < rank; ++j) {
+      for (int64_t j = r0; j < r1; ++j) {
         acc += h[i * rank + j] * static_cast<float>(bt[j * out + o]);
       }
       y[i][o] = static_cast<T>(static_cast<float>(y[i][o]) + acc);
@@ -75,7 +81,7 @@ void expand(T* const* y, const float* h, int64_t nrows, const T* bt, int64_t ran
 template <typename T>
 void delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
            const int64_t* order, const int64_t* starts, const int64_t* slots, int64_t groups,
-           const int64_t* ranks) {
+           const int64_t* ranks, const int64_t* parts, int64_t P) {
   const int64_t in = x.size(1), out = y.size(1), R = A.size(1);
   const int64_t xs = x.stride(0), ys = y.stride(0);
   const T* xp = x.const_data_ptr<T>();
@@ -109,14 +115,20 @@ void delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Te
       for (int64_t j = 0; j < rank; ++j) {
         for (int64_t i = 0; i < nrows; ++i) h[i * rank + j] = dot(xrow[i], a + j * in, in);
       }
-      expand(yrow, h.data(), nrows, bp + s * R * out, rank, out);
+      for (int64_t q = 0; q < P; ++q) {
+        const int64_t* part = parts + (s * P + q) * 4;
+        if (part[1] > part[0] && part[3] > part[2]) {
+          expand(yrow, h.data(), nrows, bp + s * R * out, rank, out, part[0], part[1], part[2],
+                 part[3]);
+        }
+      }
     }
   });
 }
 
 void lora_delta_(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
                  const at::Tensor& order, const at::Tensor& starts, const at::Tensor& slots,
-                 const at::Tensor& ranks) {
+                 const at::Tensor& ranks, const at::Tensor& parts) {
   const auto dt = y.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
               "lora_delta_: y must be float32 or bfloat16");
@@ -133,7 +145,11 @@ void lora_delta_(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const a
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
                 "lora_delta_: order, starts, slots and ranks must be 1-D int64");
   }
-  const int64_t groups = slots.size(0);
+  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 3 && parts.is_contiguous() &&
+                  parts.size(0) == A.size(0) && parts.size(2) == 4,
+              "lora_delta_: parts must be int64 [S, P, 4] (rank from, to; column from, to)");
+  const int64_t groups = slots.size(0), P = parts.size(1);
+  const int64_t* pt = parts.const_data_ptr<int64_t>();
   TORCH_CHECK(starts.size(0) == groups + 1 && ranks.size(0) == A.size(0),
               "lora_delta_: starts has one more entry than slots; ranks one per slot");
   const int64_t* st = starts.const_data_ptr<int64_t>();
@@ -146,14 +162,20 @@ void lora_delta_(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const a
     TORCH_CHECK(st[g] <= st[g + 1] && sl[g] >= 0 && sl[g] < A.size(0) && rk[sl[g]] >= 0 &&
                     rk[sl[g]] <= A.size(1),
                 "lora_delta_: a segment's bounds, slot or rank is out of range");
+    for (int64_t q = 0; q < P; ++q) {
+      const int64_t* part = pt + (sl[g] * P + q) * 4;
+      TORCH_CHECK(part[0] >= 0 && part[1] <= rk[sl[g]] && part[2] >= 0 &&
+                      part[3] <= y.size(1),
+                  "lora_delta_: a part's ranks or columns are out of range");
+    }
     for (int64_t r = st[g]; r < st[g + 1]; ++r) {
       TORCH_CHECK(od[r] >= 0 && od[r] < y.size(0), "lora_delta_: a row is out of range");
     }
   }
   if (dt == at::kFloat) {
-    delta<float>(y, x, A, Bt, od, st, sl, groups, rk);
+    delta<float>(y, x, A, Bt, od, st, sl, groups, rk, pt, P);
   } else {
-    delta<c10::BFloat16>(y, x, A, Bt, od, st, sl, groups, rk);
+    delta<c10::BFloat16>(y, x, A, Bt, od, st, sl, groups, rk, pt, P);
   }
 }
 
@@ -161,6 +183,6 @@ void lora_delta_(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const a
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("lora_delta_(Tensor(a!) y, Tensor x, Tensor A, Tensor Bt, Tensor order, "
-        "Tensor starts, Tensor slots, Tensor ranks) -> ()");
+        "Tensor starts, Tensor slots, Tensor ranks, Tensor parts) -> ()");
   m.impl("lora_delta_", c10::DispatchKey::CPU, TORCH_FN(lora_delta_));
 }
