@@ -29,20 +29,45 @@ namespace {
 
 constexpr int64_t kBlock = 4;  // rows of a segment that share one pass over A and B^T
 
-// sum_k x[k] * a[k], float32 accumulation.
+// xf[i] = x_i widened to float32, once per block (the shrink then reads it `rank` times).
 template <typename T>
-float dot(const T* x, const T* a, int64_t n) {
-  int64_t k = 0;
-  float s = 0.f;
+void widen(float* xf, const T* const* x, int64_t nrows, int64_t in) {
+  for (int64_t i = 0; i < nrows; ++i) {
+    int64_t k = 0;
 #ifdef LANES_VECTORS
-  lanes::Vec acc = lanes::zero();
-  for (; k + lanes::kLanes <= n; k += lanes::kLanes) {
-    acc = lanes::fmadd(lanes::load(x + k), lanes::load(a + k), acc);
-  }
-  s = lanes::sum_lanes(acc);
+    for (; k + lanes::kLanes <= in; k += lanes::kLanes) {
+      lanes::store(xf + i * in + k, lanes::load(x[i] + k));
+    }
 #endif
-  for (; k < n; ++k) s += static_cast<float>(x[k]) * static_cast<float>(a[k]);
-  return s;
+    for (; k < in; ++k) xf[i * in + k] = static_cast<float>(x[i][k]);
+  }
+}
+
+// h[i * rank + j] = sum_k xf[i][k] * a[j][k] for the `nrows` rows of one block: each of
+// A's rows is read once for all of them.
+template <typename T>
+void shrink(float* h, const float* xf, int64_t nrows, const T* a, int64_t rank, int64_t in) {
+  for (int64_t j = 0; j < rank; ++j) {
+    const T* aj = a + j * in;
+    float sum[kBlock] = {};
+    int64_t k = 0;
+#ifdef LANES_VECTORS
+    lanes::Vec acc[kBlock];
+    for (int64_t i = 0; i < nrows; ++i) acc[i] = lanes::zero();
+    for (; k + lanes::kLanes <= in; k += lanes::kLanes) {
+      const lanes::Vec av = lanes::load(aj + k);
+      for (int64_t i = 0; i < nrows; ++i) {
+        acc[i] = lanes::fmadd(lanes::load(xf + i * in + k), av, acc[i]);
+      }
+    }
+    for (int64_t i = 0; i < nrows; ++i) sum[i] = lanes::sum_lanes(acc[i]);
+#endif
+    for (; k < in; ++k) {
+      const float av = static_cast<float>(aj[k]);
+      for (int64_t i = 0; i < nrows; ++i) sum[i] += xf[i * in + k] * av;
+    }
+    for (int64_t i = 0; i < nrows; ++i) h[i * rank + j] = sum[i];
+  }
 }
 
 // y[o] += sum_j h[j] * bt[j][o], j in [r0, r1), o in [o0, o1), for the `nrows` rows of
@@ -100,7 +125,7 @@ void delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Te
   }
   const int64_t units = static_cast<int64_t>(unit_group.size());
   at::parallel_for(0, units, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(kBlock * R);
+    std::vector<float> h(kBlock * R), xf(kBlock * in);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g = unit_group[u], first = unit_first[u];
       const int64_t nrows = std::min(kBlock, starts[g + 1] - first);
@@ -112,9 +137,8 @@ void delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Te
         xrow[i] = xp + order[first + i] * xs;
         yrow[i] = yp + order[first + i] * ys;
       }
-      for (int64_t j = 0; j < rank; ++j) {
-        for (int64_t i = 0; i < nrows; ++i) h[i * rank + j] = dot(xrow[i], a + j * in, in);
-      }
+      widen(xf.data(), xrow, nrows, in);
+      shrink(h.data(), xf.data(), nrows, a, rank, in);
       for (int64_t q = 0; q < P; ++q) {
         const int64_t* part = parts + (s * P + q) * 4;
         if (part[1] > part[0] && part[3] > part[2]) {
