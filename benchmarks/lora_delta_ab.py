@@ -1,7 +1,9 @@
-"""The LoRA delta of one linear for a decode batch, three ways, interleaved (gpu/lora.py).
+"""The LoRA delta of one linear for a decode batch, four ways, interleaved (gpu/lora.py).
 
-`grouped` (what `LoRALinear` does): per adapter present, gather its rows, two small
-matmuls, scatter-add. `gathered`: every row's own A and B gathered, then two batched
+`kernel` (what `LoRALinear` does for decode rows with the C++ kernels built): one
+`lora_delta_` call over the rows sorted by slot. `grouped` (its torch fallback, and what
+prefill chunks take): per adapter present, gather its rows, two small matmuls,
+scatter-add. `gathered`: every row's own A and B gathered, then two batched
 matmuls (bgmv's shape). `masked`: one matmul against every slot's A stacked, the columns
 of other slots zeroed per row, one matmul against every slot's B. Also the base linear
 alone, for the delta's relative cost.
@@ -16,6 +18,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.lora import MAX_PARTS, expand_parts, plan_segments
 
 
 def main() -> None:
@@ -57,6 +62,21 @@ def main() -> None:
         return F.linear(x, w) + ((x @ A_all.T) * mask) @ Bt_all
 
     ways = {"base": base, "grouped": grouped, "gathered": gathered, "masked": masked}
+    ops = cpu_kernels()
+    if ops is not None:
+        seg = plan_segments({s: idx.tolist() for s, idx in enumerate(index)})
+        ranks = torch.full((n,), r, dtype=torch.long)
+        parts = torch.zeros(n, MAX_PARTS, 4, dtype=torch.long)
+        for s in range(n):
+            for i, part in enumerate(expand_parts(Bt[s])):
+                parts[s, i] = torch.tensor(part)
+
+        def kernel():
+            y = F.linear(x, w)
+            ops.lora_delta_(y, x, A, Bt, seg.order, seg.starts, seg.slots, ranks, parts)
+            return y
+
+        ways["kernel"] = kernel
     ref = grouped()
     tol = 1e-4 if a.dtype == "float32" else 0.5  # bf16 rounds outputs of size ~20
     for name, fn in ways.items():

@@ -11,6 +11,13 @@ so a group of one sequence is a slice; groups of several sequences gather and
 scatter-add their rows. A step without LoRA rows, and a linear the batch's adapters
 do not adapt, run the base layer alone.
 
+With the C++ kernels built (`gpu/cpu/kernels/lora_delta.cpp`), the rows of the
+sequences with few rows in the step (decodes) take the kernel instead: their rows,
+sorted by slot into segments once per step (`Segments`), get every adapter's delta in
+one call per linear, where torch would make four small calls per adapter. A sequence
+of many rows (a prefill chunk) stays a group of torch matmuls, which are the faster
+at that size.
+
 The slots hold the adapters of the step in flight (at most `--max-loras`, which the
 scheduler guarantees); the host cache holds up to `--max-cpu-loras` parsed adapters
 (least recently used out, read again from disk when needed). Adapter ids come from the
@@ -55,6 +62,12 @@ def row_kernel(device: torch.device) -> RowKernel | None:
     from gpu.triton.lora import add_lora
 
     return add_lora
+# A sequence with at least this many rows in a step runs its delta as torch matmuls
+# over its slice; fewer, through the kernel's segments.
+MATMUL_ROWS = 16
+# Runs of a slot's B^T rows that write the same output columns (a fused linear's parts:
+# q, k, v) the kernel reads; an adapter whose B^T has more runs is read whole.
+MAX_PARTS = 3
 
 
 @dataclass(frozen=True)
@@ -65,13 +78,27 @@ class Group:
     rows: slice | torch.Tensor
 
 
-class StepLoRA:
-    """The groups of the step running now, or (per-row kernels) each row's slot; set
-    only inside `LoRASlots.step` or `LoRASlots.rows`."""
+@dataclass(frozen=True)
+class Segments:
+    """The kernel's rows of a step, built once and read by every linear: `order` the
+    rows sorted by slot, `starts` where each slot's segment begins in it (and the end),
+    `slots` each segment's slot (int64 tensors)."""
 
-    def __init__(self) -> None:
+    order: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+
+
+class StepLoRA:
+    """The groups and segments of the step running now, or (per-row kernels) each row's
+    slot; set only inside `LoRASlots.step` or `LoRASlots.rows`. `kernel`: the C++ delta
+    op (`lora_delta_`), or None."""
+
+    def __init__(self, kernel=None) -> None:
         self.groups: list[Group] | None = None
         self.rows: torch.Tensor | None = None
+        self.segments: Segments | None = None
+        self.kernel = kernel
 
 
 class LoRALinear(nn.Module):
@@ -87,12 +114,18 @@ class LoRALinear(nn.Module):
         self.A = torch.zeros(max_loras, rank, self.in_features, dtype=dtype, device=device)
         self.Bt = torch.zeros(max_loras, rank, self.out_features, dtype=dtype, device=device)
         self.ranks = [0] * max_loras  # per slot: 0 where its adapter leaves this linear alone
+        self.rank_table = torch.zeros(max_loras, dtype=torch.long)  # the same, for the kernel
+        self.parts = torch.zeros(max_loras, MAX_PARTS, 4, dtype=torch.long)  # `expand_parts`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         groups = self.current.groups
         if groups is None:
             return y
+        segments = self.current.segments
+        if segments is not None:
+            self.current.kernel(y, x, self.A, self.Bt, segments.order, segments.starts,
+                                segments.slots, self.rank_table, self.parts)
         for g in groups:
             r = self.ranks[g.slot]
             if not r:
@@ -107,6 +140,8 @@ class LoRALinear(nn.Module):
     def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if pair is None:
             self.ranks[slot] = 0
+            self.rank_table[slot] = 0
+            self.parts[slot] = 0
             return
         a, b = pair
         r = a.shape[0]
@@ -115,6 +150,29 @@ class LoRALinear(nn.Module):
         self.A[slot, :r] = a
         self.Bt[slot, :r] = b.T
         self.ranks[slot] = r
+        self.rank_table[slot] = r
+        self.parts[slot] = 0
+        for i, part in enumerate(expand_parts(self.Bt[slot, :r])):
+            self.parts[slot, i] = torch.tensor(part)
+
+
+def expand_parts(bt: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(rank from, to, column from, to): the runs of `bt`'s rows that write the same
+    columns (nonzero from the first to the last), all-zero rows left out; the whole
+    of `bt` if that takes more than MAX_PARTS runs."""
+    r, out = bt.shape
+    nz = bt != 0
+    first = nz.int().argmax(1).tolist()
+    last = (out - nz.flip(1).int().argmax(1)).tolist()
+    runs: list[tuple[int, int, int, int]] = []
+    for j, any_ in enumerate(nz.any(1).tolist()):
+        if not any_:
+            continue
+        if runs and runs[-1][1] == j and runs[-1][2:] == (first[j], last[j]):
+            runs[-1] = (runs[-1][0], j + 1, first[j], last[j])
+        else:
+            runs.append((j, j + 1, first[j], last[j]))
+    return runs if len(runs) <= MAX_PARTS else [(0, r, 0, out)]
 
 
 class RowLoRALinear(LoRALinear):
@@ -168,14 +226,16 @@ class LoRASlots:
 
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, dtype: torch.dtype, device: torch.device,
-                 kernel: RowKernel | None = None):
-        """`kernel`: the per-row delta (`row_kernel`); None: rows grouped per adapter."""
+                 kernel: RowKernel | None = None, cpu_kernel=None):
+        """`kernel`: the per-row delta (`row_kernel`); None: rows grouped per adapter.
+        `cpu_kernel`: the C++ `lora_delta_` op for the grouped path's few-row sequences,
+        or None (every group through torch)."""
         self.max_loras, self.max_rank, self.max_cpu = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
         self.per_row = kernel is not None
         self._staging = Staging(device) if self.per_row else None
         self.targets, fused = adaptable(model, ADAPTABLE)
-        self.current = StepLoRA()
+        self.current = StepLoRA(cpu_kernel)
         self.layers: dict[str, LoRALinear] = {}
         for prefix, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
@@ -273,12 +333,13 @@ class LoRASlots:
             return
         if self.current.groups is not None:
             raise RuntimeError("LoRA steps do not nest")
-        groups = self.groups(lora_ids, query_lens, device) if any(lora_ids) else None
-        self.current.groups = groups
+        groups, segments = self.groups(lora_ids, query_lens, device) if any(lora_ids) \
+            else (None, None)
+        self.current.groups, self.current.segments = groups, segments
         try:
             yield
         finally:
-            self.current.groups = None
+            self.current.groups = self.current.segments = None
 
     @contextlib.contextmanager
     def rows(self, row_slots: torch.Tensor) -> Iterator[None]:
@@ -306,12 +367,17 @@ class LoRASlots:
         return keep
 
     def groups(self, lora_ids: list[int], query_lens: list[int],
-               device: torch.device) -> list[Group]:
+               device: torch.device) -> tuple[list[Group], Segments | None]:
+        """The step's torch groups, and the kernel's segments (None: no row for it)."""
         keep = self._keep(lora_ids)
         rows: dict[int, list[tuple[int, int]]] = {}
+        few: dict[int, list[int]] = {}  # the kernel's rows, per slot
         start = 0
+        kernel = self.current.kernel is not None
         for lora_id, n in zip(lora_ids, query_lens):
-            if lora_id:
+            if lora_id and kernel and n < MATMUL_ROWS:
+                few.setdefault(self._slot(lora_id, keep), []).extend(range(start, start + n))
+            elif lora_id:
                 spans = rows.setdefault(self._slot(lora_id, keep), [])
                 if spans and spans[-1][1] == start:
                     spans[-1] = (spans[-1][0], start + n)
@@ -325,4 +391,13 @@ class LoRASlots:
             else:
                 index = [i for a, b in spans for i in range(a, b)]
                 out.append(Group(slot, torch.tensor(index, dtype=torch.long, device=device)))
-        return out
+        return out, plan_segments(few) if few else None
+
+
+def plan_segments(rows_of_slot: dict[int, list[int]]) -> Segments:
+    order = [r for rows in rows_of_slot.values() for r in rows]
+    starts = [0]
+    for rows in rows_of_slot.values():
+        starts.append(starts[-1] + len(rows))
+    return Segments(torch.tensor(order, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                    torch.tensor(list(rows_of_slot), dtype=torch.long))

@@ -273,9 +273,10 @@ class ModelRunner:
         spec = self.spec
         if not spec.enable_lora:
             return None
+        cpu_kernel = self.capabilities.op("lora_delta_") if self.capabilities else None
         return LoRASlots(self.model, spec.max_loras, spec.max_lora_rank,
                          spec.max_cpu_loras or spec.max_loras, self.dtype, self.device,
-                         kernel=row_kernel(self.device))
+                         kernel=row_kernel(self.device), cpu_kernel=cpu_kernel)
 
     def _auto_sized(self) -> bool:
         """True when the pool takes what the GPU has left (no explicit size given)."""

@@ -94,12 +94,14 @@ def test_each_adapter_alone_matches_peft_merged(arch, built):
         llm.shutdown()
 
 
-def test_a_mixed_batch_gives_each_request_its_own_ids(built):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_mixed_batch_gives_each_request_its_own_ids(built, backend):
     """Three adapters and the base in one batch, every prompt under each: the same ids
-    as alone, with chunked prefill in a small budget and rows of one adapter apart."""
+    as alone, with chunked prefill in a small budget and rows of one adapter apart; with
+    the C++ kernels (few-row sequences through `lora_delta_`) and without (all torch)."""
     base, dirs, expected, prompts = built["llama"]
     names = [None, *dirs]
-    llm = serve(base, dirs, max_loras=3, max_num_batched_tokens=24)
+    llm = serve(base, dirs, max_loras=3, max_num_batched_tokens=24, attention_backend=backend)
     try:
         jobs = [(p, n) for i, p in enumerate(prompts) for n in names[i % 4:] + names[:i % 4]]
         outs = llm.generate([p for p, _ in jobs],

@@ -30,6 +30,7 @@ OPS = (
     "q4_1_linear", "q8_0_linear", "q4_1_linear_int8", "q8_0_linear_int8", "q4_1_linear_amx",
     "q4_1_dequantize", "q8_0_dequantize",
     "argmax_rows", "sample_rows", "apply_penalties_", "apply_token_bitmask_",
+    "lora_delta_",
 )
 
 
