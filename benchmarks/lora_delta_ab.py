@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.lora import MAX_PARTS, expand_parts, plan_segments
+from gpu.lora_linear import MAX_PARTS, expand_parts, plan_segments
 
 
 def main() -> None:

@@ -35,190 +35,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from gpu.lora_linear import Group, LoRALinear, Segments, StepLoRA, plan_segments
+from gpu.lora_rows import RowKernel, RowLoRALinear, output_slices
 from gpu.staging import Staging
-from models.lora import AdapterError, Target, adaptable, read_adapter
+from models.lora import AdapterError, adaptable, read_adapter
 
 log = logging.getLogger("ridgeline.lora")
 
 ADAPTABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
-# `gpu.triton.lora.add_lora`'s signature: (y, x, A, Bt, row_slots, ranks, spans, slices,
-# max_slice), adding into y in place.
-RowKernel = Callable[..., torch.Tensor]
-
-
-def row_kernel(device: torch.device) -> RowKernel | None:
-    """The per-row delta for this device: the Triton kernels on CUDA; None on CPU, where
-    the rows are grouped per adapter and multiplied by torch ops."""
-    if device.type != "cuda":
-        return None
-    from gpu.triton.lora import add_lora
-
-    return add_lora
 # A sequence with at least this many rows in a step runs its delta as torch matmuls
 # over its slice; fewer, through the kernel's segments.
 MATMUL_ROWS = 16
-# Runs of a slot's B^T rows that write the same output columns (a fused linear's parts:
-# q, k, v) the kernel reads; an adapter whose B^T has more runs is read whole.
-MAX_PARTS = 3
-
-
-@dataclass(frozen=True)
-class Group:
-    """The rows of one slot in this step: a slice when contiguous, else an index."""
-
-    slot: int
-    rows: slice | torch.Tensor
-
-
-@dataclass(frozen=True)
-class Segments:
-    """The kernel's rows of a step, built once and read by every linear: `order` the
-    rows sorted by slot, `starts` where each slot's segment begins in it (and the end),
-    `slots` each segment's slot (int64 tensors)."""
-
-    order: torch.Tensor
-    starts: torch.Tensor
-    slots: torch.Tensor
-
-
-class StepLoRA:
-    """The groups and segments of the step running now, or (per-row kernels) each row's
-    slot; set only inside `LoRASlots.step` or `LoRASlots.rows`. `kernel`: the C++ delta
-    op (`lora_delta_`), or None."""
-
-    def __init__(self, kernel=None) -> None:
-        self.groups: list[Group] | None = None
-        self.rows: torch.Tensor | None = None
-        self.segments: Segments | None = None
-        self.kernel = kernel
-
-
-class LoRALinear(nn.Module):
-    """A base linear plus, for the rows of the current step's groups, their adapter's
-    low-rank delta."""
-
-    def __init__(self, base: nn.Module, current: StepLoRA, max_loras: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.base = base
-        self.current = current
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.A = torch.zeros(max_loras, rank, self.in_features, dtype=dtype, device=device)
-        self.Bt = torch.zeros(max_loras, rank, self.out_features, dtype=dtype, device=device)
-        self.ranks = [0] * max_loras  # per slot: 0 where its adapter leaves this linear alone
-        self.rank_table = torch.zeros(max_loras, dtype=torch.long)  # the same, for the kernel
-        self.parts = torch.zeros(max_loras, MAX_PARTS, 4, dtype=torch.long)  # `expand_parts`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        groups = self.current.groups
-        if groups is None:
-            return y
-        segments = self.current.segments
-        if segments is not None:
-            self.current.kernel(y, x, self.A, self.Bt, segments.order, segments.starts,
-                                segments.slots, self.rank_table, self.parts)
-        for g in groups:
-            r = self.ranks[g.slot]
-            if not r:
-                continue
-            a, bt = self.A[g.slot, :r], self.Bt[g.slot, :r]
-            if isinstance(g.rows, slice):
-                y[g.rows] += (x[g.rows] @ a.T) @ bt
-            else:
-                y.index_add_(0, g.rows, (x.index_select(0, g.rows) @ a.T) @ bt)
-        return y
-
-    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        if pair is None:
-            self.ranks[slot] = 0
-            self.rank_table[slot] = 0
-            self.parts[slot] = 0
-            return
-        a, b = pair
-        r = a.shape[0]
-        self.A[slot].zero_()
-        self.Bt[slot].zero_()
-        self.A[slot, :r] = a
-        self.Bt[slot, :r] = b.T
-        self.ranks[slot] = r
-        self.rank_table[slot] = r
-        self.parts[slot] = 0
-        for i, part in enumerate(expand_parts(self.Bt[slot, :r])):
-            self.parts[slot, i] = torch.tensor(part)
-
-
-def expand_parts(bt: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """(rank from, to, column from, to): the runs of `bt`'s rows that write the same
-    columns (nonzero from the first to the last), all-zero rows left out; the whole
-    of `bt` if that takes more than MAX_PARTS runs."""
-    r, out = bt.shape
-    nz = bt != 0
-    first = nz.int().argmax(1).tolist()
-    last = (out - nz.flip(1).int().argmax(1)).tolist()
-    runs: list[tuple[int, int, int, int]] = []
-    for j, any_ in enumerate(nz.any(1).tolist()):
-        if not any_:
-            continue
-        if runs and runs[-1][1] == j and runs[-1][2:] == (first[j], last[j]):
-            runs[-1] = (runs[-1][0], j + 1, first[j], last[j])
-        else:
-            runs.append((j, j + 1, first[j], last[j]))
-    return runs if len(runs) <= MAX_PARTS else [(0, r, 0, out)]
-
-
-class RowLoRALinear(LoRALinear):
-    """The same stacked pairs, the delta by a per-row kernel: every row reads its slot
-    from the step's row-slot tensor. Beside the pairs, static device tables the kernel
-    reads (so a CUDA graph sees a new adapter without a new capture): each slot's rank,
-    and per slot and output slice the span of rank columns that slice reads."""
-
-    def __init__(self, base: nn.Module, current: StepLoRA, max_loras: int, rank: int,
-                 dtype: torch.dtype, device: torch.device, slices: list[tuple[int, int]],
-                 kernel: RowKernel):
-        super().__init__(base, current, max_loras, rank, dtype, device)
-        self.kernel, self.slices = kernel, slices
-        self.slice_table = torch.tensor(slices, dtype=torch.int32, device=device)
-        self.max_slice = max(size for _, size in slices)
-        self.rank_table = torch.zeros(max_loras, dtype=torch.int32, device=device)
-        self.spans = torch.zeros(max_loras, len(slices), 2, dtype=torch.int32, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        rows = self.current.rows
-        if rows is None:
-            return y
-        self.kernel(y.view(-1, self.out_features), x.reshape(-1, self.in_features), self.A,
-                    self.Bt, rows, self.rank_table, self.spans, self.slice_table,
-                    self.max_slice)
-        return y
-
-    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        from gpu.triton.lora import rank_spans
-
-        super().write(slot, pair)
-        spans = rank_spans(pair[1].T, self.slices) if pair else [(0, 0)] * len(self.slices)
-        self.rank_table[slot] = self.ranks[slot]
-        self.spans[slot] = torch.tensor(spans, dtype=torch.int32)
-
-
-def output_slices(targets: dict[str, Target], module: str, out: int) -> list[tuple[int, int]]:
-    """(offset, size) of each part a fused linear's output holds (q, k, v; gate, up), in
-    order; the whole output for a linear of one part."""
-    parts = sorted({(t.offset, t.rows) for t in targets.values()
-                    if t.module == module and t.rows < out})
-    ends = [0] + [o + n for o, n in parts]
-    if parts and all(o == e for (o, _), e in zip(parts, ends)) and ends[-1] == out:
-        return parts
-    return [(0, out)]
 
 
 class LoRASlots:
@@ -392,12 +226,3 @@ class LoRASlots:
                 index = [i for a, b in spans for i in range(a, b)]
                 out.append(Group(slot, torch.tensor(index, dtype=torch.long, device=device)))
         return out, plan_segments(few) if few else None
-
-
-def plan_segments(rows_of_slot: dict[int, list[int]]) -> Segments:
-    order = [r for rows in rows_of_slot.values() for r in rows]
-    starts = [0]
-    for rows in rows_of_slot.values():
-        starts.append(starts[-1] + len(rows))
-    return Segments(torch.tensor(order, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                    torch.tensor(list(rows_of_slot), dtype=torch.long))

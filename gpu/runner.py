@@ -22,7 +22,8 @@ from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
-from gpu.lora import LoRASlots, row_kernel
+from gpu.lora import LoRASlots
+from gpu.lora_rows import row_kernel
 from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory

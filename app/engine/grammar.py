@@ -275,13 +275,17 @@ class GrammarService:
         those) and rolls back, so between steps it stays at the request's real output."""
         xgr = self._xgr()
         masks = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
-        for j, token in enumerate(drafts):
-            matcher.fill_next_token_bitmask(masks, j)
-            if not matcher.accept_token(token):
-                matcher.rollback(j)
-                raise RuntimeError(f"draft token {token} is outside the grammar")
-        matcher.fill_next_token_bitmask(masks, len(drafts))
-        matcher.rollback(len(drafts))
+        accepted = 0
+        try:
+            for j, token in enumerate(drafts):
+                matcher.fill_next_token_bitmask(masks, j)
+                if not matcher.accept_token(token):
+                    raise RuntimeError(f"draft token {token} is outside the grammar")
+                accepted += 1
+            matcher.fill_next_token_bitmask(masks, len(drafts))
+        finally:  # also on an error: the matcher stays at the request's real output
+            if accepted:
+                matcher.rollback(accepted)
         return list(masks)
 
     def shutdown(self) -> None:

@@ -66,7 +66,7 @@ class RequestSpecDecodeMetrics:
                "num_accepted_draft_tokens": accepted,
                "num_draft_tokens": self.num_draft_tokens,
                "num_spec_tokens": self.num_spec_tokens}
-        if self.per_step_accepted:
+        if self.per_step_accepted is not None:
             out["per_step_accepted"] = list(self.per_step_accepted)
             out["per_step_drafted"] = list(self.per_step_drafted)
         return out

@@ -164,16 +164,17 @@ def grammar_prefix(matcher, drafts: Sequence[int]) -> int:
     matcher has no mask for the position after it, and the target's own pick at that
     position may be the stop token). The matcher ends where it started."""
     accepted = 0
-    for token in drafts:
-        if not matcher.accept_token(token):
-            break
-        accepted += 1
-        if matcher.is_terminated():
-            break
-    keep = accepted - 1 if matcher.is_terminated() else accepted
-    if accepted:
-        matcher.rollback(accepted)
-    return keep
+    try:
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        return accepted - 1 if matcher.is_terminated() else accepted
+    finally:  # also when the matcher raises: it must stay at the request's real output
+        if accepted:
+            matcher.rollback(accepted)
 
 
 def draft_rows(row: SamplingRow, req: Request, drafts: Sequence[int],

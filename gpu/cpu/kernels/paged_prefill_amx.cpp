@@ -240,11 +240,13 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   // thread (a long prompt alone in a step still takes every thread).
   struct Tile { int64_t i0, tq; };
   struct Unit { int64_t b, h, begin, end; };  // tiles [begin, end) of `tiles`
+  if (S == 0) return;
   std::vector<Tile> tiles;
   std::vector<Unit> units;
   const int64_t most = std::max<int64_t>(1, kMaxRows / G);
   const int64_t runs = std::max<int64_t>(1, (4 * at::get_num_threads() + S * KVH - 1) / (S * KVH));
   for (int64_t b = 0; b < S; ++b) {
+    if (qlens[b] == 0) continue;  // no new tokens: nothing to compute
     const int64_t count = (qlens[b] + most - 1) / most;
     const int64_t size = (qlens[b] + count - 1) / count, first = tiles.size();
     for (int64_t i0 = 0; i0 < qlens[b]; i0 += size)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.lora import MAX_PARTS, expand_parts, plan_segments
+from gpu.lora_linear import MAX_PARTS, expand_parts, plan_segments
 
 kernels = pytest.importorskip("gpu.cpu.kernels.build").cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels.namespace, "lora_delta_"),
