@@ -315,12 +315,12 @@ class ModelRunner:
             sizes = graph_token_counts(sizes, verify_sizes(
                 spec.max_num_seqs, spec.disable_by_batch_size), spec.num_speculative_tokens + 1)
         k = max(spec.num_speculative_tokens, 1)  # a window then k guesses, within the context
+        draft_call = None if self.draft is None else self.draft.largest_call(
+            min(spec.draft_window or spec.max_model_len, spec.max_model_len - k), k)
         return profile_memory(
             self.model, self.backend, device=self.device, dtype=self.dtype,
             max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
-            max_model_len=spec.max_model_len, graph_sizes=sizes, draft_call=self.draft and
-            self.draft.largest_call(min(spec.draft_window or spec.max_model_len,
-                                        spec.max_model_len - k), k))
+            max_model_len=spec.max_model_len, graph_sizes=sizes, draft_call=draft_call)
 
     def _capture_graphs(self) -> GraphRunner | None:
         """A GraphRunner with every bucket captured, or None (CPU, --enforce-eager)."""

@@ -125,3 +125,23 @@ def test_engine_draft_model_through_verify_graphs_equals_plain(graph_dir) -> Non
     assert runner.graphs.verify.replays > 0
     assert_clean(llm)
     llm.shutdown()
+
+
+def test_the_runner_profiles_the_draft_at_its_window(graph_dir, monkeypatch) -> None:  # noqa: F811
+    """Where the pool is sized from the GPU's memory, the runner's profile gets the
+    draft's call at the configured window and k guesses (here forced on CPU)."""
+    import gpu.runner
+
+    spec = {"method": "draft_model", "model": str(graph_dir), "num_speculative_tokens": 3,
+            "draft_window": 24}
+    llm = make_llm(graph_dir, spec, skip_tokenizer_init=True, num_blocks=16, block_size=BLOCK)
+    runner = llm.engine.worker.wait_ready()
+    seen = {}
+    monkeypatch.setattr(runner, "_auto_sized", lambda: True)
+    monkeypatch.setattr(gpu.runner, "profile_memory", lambda *a, **kw: seen.update(kw))
+    jobs = []
+    monkeypatch.setattr(runner.draft, "propose", jobs.append)
+    runner._profile()
+    seen["draft_call"]()
+    assert len(jobs[0].windows[0]) == 24 and jobs[0].num_tokens == [3]
+    llm.shutdown()
