@@ -231,7 +231,7 @@ class EngineConfig:
     speculative_config: str | dict | SpeculativeConfig | None = setting(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}; "
-        "output is the same as without it (docs/speculative.md; draft_model: CPU only for now)")
+        "output is the same as without it (docs/speculative.md)")
     per_request_spec_decode_metrics: str = setting(
         "none", "with --speculative-config: each request's acceptance (mean acceptance "
         "length, draft acceptance rate, histogram of accepted drafts per step; detailed: "

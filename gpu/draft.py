@@ -7,7 +7,9 @@ positions) in one forward, then feeds back each guessed token, k forwards in all
 the keys and values of that one call held in dense tensors (`WindowAttention`) and
 dropped after it. Its memory is therefore bounded by one window per call, and it never
 touches the target's paged pool; the price is recomputing the window every step, which
-a paged draft cache would save.
+a paged draft cache would save. On CUDA that one window's forward is part of the
+memory profile (`gpu/profiling.py`), and the weights are counted in the KV pool's plan
+(`gpu/memory.py`); it runs eagerly, through torch's attention, outside the CUDA graphs.
 
 What the draft proposes never changes the output: the target verifies every draft
 (`app/engine/spec/speculator.py`). A window shorter than the context only makes the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +85,14 @@ class DraftModel:
         model.rotary = model.make_rotary(max_positions).to(device)
         model.load_weights(iter_safetensors(model_dir))
         self.model = model.eval()
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("Draft model %s (%s, %.1f MiB) loaded in %.2f s", model_dir, dtype,
-                 weights / 2**20, time.perf_counter() - t0)
+                 self.nbytes / 2**20, time.perf_counter() - t0)
+
+    def largest_call(self, window: int, num_tokens: int) -> Callable[[], object]:
+        """The call that peaks highest, for the memory profile: one request's full
+        window, then `num_tokens` guesses (requests draft one after another)."""
+        return lambda: self.propose(DraftJob([[0] * window], [0], [num_tokens]))
 
     @torch.inference_mode()
     def propose(self, job: DraftJob) -> list[list[int]]:

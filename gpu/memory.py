@@ -1,8 +1,9 @@
 """Where the KV pool comes from: the one place the memory arithmetic lives.
 
 On CUDA the pool is what is left of `total × gpu_memory_utilization` after
-weights, the peak activations of a profiling forward, and the CUDA-graph
-estimate — or less, when memory was already in use as the runner started (another
+weights (the draft model's too, under speculative decoding's `draft_model`), the peak
+activations of a profiling forward (or of the draft model's largest call, if higher),
+and the CUDA-graph estimate — or less, when memory was already in use as the runner started (another
 process, or this one's CUDA context): `(1 - gpu_memory_utilization) × total` is always
 left free. On CPU it is an explicit byte budget. Either way the numbers are
 logged so that an operator can check each against the arithmetic.
@@ -67,6 +68,7 @@ def plan_kv_cache(
     block_size: int,
     max_model_len: int,
     weights_bytes: int,
+    draft_bytes: int = 0,
     kv_cache_memory: int | None = None,
     total_device_bytes: int | None = None,
     free_device_bytes: int | None = None,
@@ -78,7 +80,8 @@ def plan_kv_cache(
 ) -> KVPlan:
     """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU.
 
-    `free_device_bytes` is what was free before the weights loaded (None: all of it)."""
+    `free_device_bytes` is what was free before the weights loaded (None: all of it);
+    `draft_bytes` is the draft model's weights, loaded beside the target's."""
     if num_blocks is not None:
         budget = num_blocks * block_size * bytes_per_token
     elif kv_cache_memory is not None:
@@ -89,13 +92,14 @@ def plan_kv_cache(
         free = total_device_bytes if free_device_bytes is None else free_device_bytes
         in_use = total_device_bytes - free
         usable = min(usable, free - headroom)
-        budget = usable - (weights_bytes + peak_activation_bytes + graph_bytes)
+        budget = usable - (weights_bytes + draft_bytes + peak_activation_bytes + graph_bytes)
+        draft = f"- draft model {draft_bytes / GiB:.2f} GiB " if draft_bytes else ""
         log.info(
             "GPU memory: total %.2f GiB x utilization %.2f (%.2f GiB already in use at start) "
-            "- weights %.2f GiB - peak activations %.2f GiB - CUDA graphs %.2f GiB "
+            "- weights %.2f GiB %s- peak activations %.2f GiB - CUDA graphs %.2f GiB "
             "= %.2f GiB for the KV cache",
             total_device_bytes / GiB, gpu_memory_utilization, in_use / GiB, weights_bytes / GiB,
-            peak_activation_bytes / GiB, graph_bytes / GiB, budget / GiB,
+            draft, peak_activation_bytes / GiB, graph_bytes / GiB, budget / GiB,
         )
     else:
         budget = DEFAULT_CPU_KV_BYTES

@@ -7,6 +7,9 @@ path) runs on a tiny temporary KV pool; the allocator's peak above what was
 allocated before it is the activation peak. The graphs' share is measured the
 same way, with a decode step at the largest capture size (the graphs' shared
 pool holds about that step's activations), plus a fixed allowance per graph.
+With a draft model (speculative decoding's `draft_model`), its largest call (one
+window of tokens, then its guesses) is measured too: it runs between steps on the same
+thread, so the activations to leave room for are the larger of the two peaks.
 `gpu/memory.py` then subtracts both from the budget.
 
 The measurement is a step of the real model, so nothing about its activations
@@ -104,8 +107,10 @@ def profile_memory(
     max_num_seqs: int,
     max_model_len: int,
     graph_sizes: list[int],
+    draft_call: Callable[[], object] | None = None,
 ) -> MemoryProfile:
-    """Run the dummy steps and return the bytes to keep free of the KV pool."""
+    """Run the dummy steps (and `draft_call`, the draft model's largest call) and
+    return the bytes to keep free of the KV pool."""
     query_lens = profile_query_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
     ids, positions, ctx, qsl = _dummy_step(model, backend, query_lens, device, dtype)
     sampler = Sampler(device)
@@ -116,6 +121,7 @@ def profile_memory(
         sampler(logits, [HUNGRY_ROW] * len(query_lens))
 
     peak = _measure(device, largest_step)
+    draft_peak = 0 if draft_call is None else _measure(device, draft_call)
     graph_bytes = 0
     if graph_sizes:
         d_ids, d_pos, d_ctx, _ = _dummy_step(model, backend, [1] * graph_sizes[-1], device, dtype)
@@ -128,4 +134,7 @@ def profile_memory(
         "CUDA graphs for %d step shapes estimated at %.2f GiB",
         sum(query_lens), len(query_lens), peak / GiB, len(graph_sizes), graph_bytes / GiB,
     )
-    return MemoryProfile(peak, graph_bytes)
+    if draft_call is not None:
+        log.info("Memory profile: the draft model's largest call peaks at %.2f GiB of "
+                 "activations (between steps: the larger peak is kept)", draft_peak / GiB)
+    return MemoryProfile(max(peak, draft_peak), graph_bytes)

@@ -21,6 +21,7 @@ from gpu.block_table import DeviceBlockTable
 from gpu.cpu.capabilities import CpuCapabilities, describe
 from gpu.cpu.capabilities import resolve as resolve_cpu_capabilities
 from gpu.cpu.threads import ThreadGovernor
+from gpu.draft import DraftModel
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
 from gpu.lora import LoRASlots
 from gpu.lora_rows import row_kernel
@@ -71,6 +72,7 @@ class RunnerSpec:
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
+    draft_window: int | None = None  # its window of tokens (None: max_model_len)
     # Speculative decoding's verify steps (`gpu/verify_graphs.py`): drafts per row (0: none),
     # and the running requests from which nobody drafts.
     num_speculative_tokens: int = 0
@@ -227,7 +229,9 @@ class ModelRunner:
             self.device, matmul_dtype, weights_bytes,
             int8_kernels=self.capabilities.kernels if spec.int8_activations
             and self.capabilities is not None else None)
-        self.profile = self._profile()
+        self.draft = DraftModel(spec.draft_model_dir, self.dtype, self.device,
+                                spec.max_model_len) if spec.draft_model_dir else None
+        self.profile = self._profile()  # runs the draft model's largest call too
         dtype_bytes = torch.tensor([], dtype=matmul_dtype).element_size()
         kv_dtype_bytes = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.plan: KVPlan = plan_kv_cache(
@@ -240,6 +244,7 @@ class ModelRunner:
             # Sized from the GPU's memory, the pool leaves room for the LoRA slots too.
             weights_bytes=weights_bytes + (self.loras.nbytes if self.loras is not None
                                            and self._auto_sized() else 0),
+            draft_bytes=self.draft.nbytes if self.draft is not None else 0,
             kv_cache_memory=spec.kv_cache_memory,
             num_blocks=spec.num_blocks,
             total_device_bytes=self._total_device_bytes(),
@@ -310,10 +315,13 @@ class ModelRunner:
 
             sizes = graph_token_counts(sizes, verify_sizes(
                 spec.max_num_seqs, spec.disable_by_batch_size), spec.num_speculative_tokens + 1)
+        k = max(spec.num_speculative_tokens, 1)  # a window then k guesses, within the context
+        draft_call = None if self.draft is None else self.draft.largest_call(
+            min(spec.draft_window or spec.max_model_len, spec.max_model_len - k), k)
         return profile_memory(
             self.model, self.backend, device=self.device, dtype=self.dtype,
             max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
-            max_model_len=spec.max_model_len, graph_sizes=sizes)
+            max_model_len=spec.max_model_len, graph_sizes=sizes, draft_call=draft_call)
 
     def _capture_graphs(self) -> GraphRunner | None:
         """A GraphRunner with every bucket captured, or None (CPU, --enforce-eager)."""

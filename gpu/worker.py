@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from gpu.batch import Batch, StepResult
-from gpu.draft import DraftJob, DraftModel
+from gpu.draft import DraftJob
 from gpu.runner import ModelRunner, RunnerSpec
 
 log = logging.getLogger("ridgeline.worker")
@@ -128,15 +128,7 @@ class Worker:
             self.error = e
             self._ready.set_exception(e)
             return
-        draft = None
-        if spec.draft_model_dir is not None:
-            try:
-                draft = DraftModel(spec.draft_model_dir, runner.dtype, runner.device,
-                                   spec.max_model_len)
-            except BaseException as e:
-                self.error = e
-                self._ready.set_exception(e)
-                return
+        draft = runner.draft  # loaded before the KV pool's plan, which counts it
         self._ready.set_result(runner)
         failures = 0
         while True:

@@ -26,7 +26,8 @@ the model's users first, then the sections that need its memory back):
   engine       the offline LLM on a random model of a real shape: graphs vs --enforce-eager
   spec_decode  speculative decoding: a verify step (eager and in the verify graphs' padded
                layout) against the reference; greedy ids with ngram speculation through
-               the decode and verify graphs equal plain decoding's on a tiny fp32 model
+               the decode and verify graphs equal plain decoding's on a tiny fp32 model,
+               and with the draft model (draft_model) too
   lora         the per-row LoRA kernels against their reference at Llama-3-8B shapes (and
                their time beside the base linear's); a tiny model's greedy ids with two
                adapters and the base in one batch, graphs on, vs the adapters merged

@@ -8,6 +8,9 @@
   (decode and verify graphs captured by the runner itself), greedy, with n-gram
   speculation and without: the ids must be the same, or differ first where plain
   decoding's top two were within a near tie; the verify graphs must have replayed.
+  The same again with the draft model (`draft_model`: the tiny model drafting for
+  itself from a short window, so some guesses are wrong), whose weights and largest
+  call the KV pool's plan counts (`gpu/memory.py`, `gpu/profiling.py`).
 
 Off CUDA (`--cpu-smoke`) the runner captures nothing, so the spec run's graphs are
 installed by hand, as closures, the way the model section does.
@@ -36,6 +39,8 @@ NEAR_TIE = 0.1  # nats, as in the parity section
 # Drafting stops from 16 running requests: all 8 prompts draft.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3, "disable_by_batch_size": 16}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "draft_window": 16,
+         "disable_by_batch_size": 16}  # "model": the target itself, set per run
 
 
 def _inputs(slots, query_lens, context_lens, tables, dev) -> AttentionInputs:
@@ -145,7 +150,8 @@ def _generate(model: Path, check, spec: dict | None) -> dict:
                 "verify_replays": verify.replays if verify else 0,
                 "verify_sizes": verify.sizes if verify else [],
                 "drafts": total.num_draft_tokens if total else 0,
-                "accepted": total.num_accepted_tokens if total else 0}
+                "accepted": total.num_accepted_tokens if total else 0,
+                "kv_blocks": runner.plan.num_blocks}
     finally:
         llm.shutdown()
         del llm
@@ -155,13 +161,26 @@ def _generate(model: Path, check, spec: dict | None) -> dict:
 
 
 def engine(check) -> dict:
+    """Plain decoding against n-gram speculation, and (under `draft_model`) against
+    the draft model's."""
     out = Path(tempfile.mkdtemp(prefix="gpu-check-spec-"))
     try:
         model = _write_model(check, out)
         plain = _generate(model, check, None)
         spec = _generate(model, check, SPEC)
+        draft = _generate(model, check, DRAFT | {"model": str(model)})
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    ngram = _compare(plain, spec)
+    drafted = _compare(plain, draft)
+    # On CUDA the pool is sized from free memory: the draft's run has less of it.
+    return ngram | {"ok": ngram["ok"] and drafted["ok"], "draft_model": drafted,
+                    "kv_blocks": {"plain": plain["kv_blocks"], "draft_model": draft["kv_blocks"]}}
+
+
+def _compare(plain: dict, spec: dict) -> dict:
+    """Same ids, or the first difference where plain decoding's top two were within
+    a near tie; the verify graphs replayed and some drafts were accepted."""
     diverged = []
     for i, (a, b) in enumerate(zip(plain["ids"], spec["ids"])):
         at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)

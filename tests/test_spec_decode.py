@@ -190,10 +190,3 @@ def test_abort_mid_run_leaks_no_block(tiny_dir, prompts, plain):
     assert_clean(llm)
     llm.shutdown()
 
-
-def test_draft_model_refused_on_cuda(tiny_dir):
-    """ngram and suffix run on CUDA (tests/test_spec_verify_graphs.py); the draft model
-    is refused there, before anything touches the device."""
-    draft = {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="draft_model runs on the CPU path only"):
-        make_llm(tiny_dir, draft, device="cuda")

@@ -72,10 +72,6 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         device = resolve_device(config.device)
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model" and device.type != "cpu":
-            raise ValueError(f"--speculative-config: draft_model runs on the CPU path only for "
-                             f"now: on {device} the KV pool's memory plan does not count the "
-                             f"draft model yet (docs/speculative.md); ngram and suffix run there")
         dtype, dtype_why = choose_dtype(config.dtype, device,
                                         int8_activations=config.flat()["int8_activations"])
         dtype_name = str(dtype).removeprefix("torch.")

@@ -101,10 +101,12 @@ class SpeculativeConfig:
             fail(f"suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
 
     def verify_shape(self) -> dict[str, int | None]:
-        """What the model thread needs to capture verify steps (`gpu/verify_graphs.py`),
-        by `RunnerSpec`'s field names: drafts per row, and the batch size that stops them."""
+        """What the model thread needs to capture verify steps (`gpu/verify_graphs.py`)
+        and to profile the draft model's largest call, by `RunnerSpec`'s field names:
+        drafts per row, the batch size that stops them, the draft model's window."""
         return {"num_speculative_tokens": self.num_speculative_tokens,
-                "disable_by_batch_size": self.disable_by_batch_size}
+                "disable_by_batch_size": self.disable_by_batch_size,
+                "draft_window": self.draft_window}
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
