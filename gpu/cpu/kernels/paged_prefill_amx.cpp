@@ -25,8 +25,9 @@
 // The whole row of scores is kept (no running softmax): a tile's rows x its keys in
 // fp32 and bf16, and the packed keys, in per-thread buffers kept between calls.
 //
-// Tiles (all 16 rows x 64 bytes): C 0-3 (up to four 16 x 16 fp32 results), A 4 (16 rows
-// x 32 bf16 of q or p), B 6-7 (16 word rows x 16 columns of kt or vp).
+// Tiles (all 16 rows x 64 bytes): p·v (and q·kᵀ at other D) in `matmul`: C 0-3 (up to
+// four 16 x 16 fp32 results), A 4, B 6-7; q·kᵀ at D = 64 or 128 in `matmul_held_b`: the
+// key tiles of a column block held in 4-7 while every row tile passes under them.
 //
 // Layout and limits: those of paged_prefill_ (q, out and the pools bf16), and D a
 // multiple of 32 (a row of an A tile). Registered only where AMX is compiled in.
@@ -79,15 +80,24 @@ inline void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t D, uin
 }
 
 // 16 rows of 16 words transposed in place: four butterfly stages, stage w swapping bit
-// w of the row index with bit w of the column index.
+// w of the row index with bit w of the column index. The stages' lane indices are tables
+// built at compile time (vectors assembled from scalar stores stall the load on them).
+struct Stage {  // lo: row i's own low half, then p's; hi: i's high half, then p = i + w's
+  alignas(64) int32_t lo[16], hi[16];
+};
+constexpr Stage stage(int w) {
+  Stage s{};
+  for (int j = 0; j < 16; ++j) {
+    s.lo[j] = (j & w) ? 16 + j - w : j;
+    s.hi[j] = (j & w) ? 16 + j : j + w;
+  }
+  return s;
+}
+alignas(64) constexpr Stage kStages[4] = {stage(8), stage(4), stage(2), stage(1)};
+
 inline void transpose16(__m512i r[16]) {
-  for (int w = 8; w >= 1; w /= 2) {
-    alignas(64) int32_t lo_idx[16], hi_idx[16];
-    for (int j = 0; j < 16; ++j) {
-      lo_idx[j] = (j & w) ? 16 + j - w : j;  // row i: its own low half, then p's
-      hi_idx[j] = (j & w) ? 16 + j : j + w;  // row p = i + w: i's high half, then its own
-    }
-    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int si = 0, w = 8; si < 4; ++si, w /= 2) {
+    const __m512i lo = _mm512_load_si512(kStages[si].lo), hi = _mm512_load_si512(kStages[si].hi);
     for (int i = 0; i < 16; ++i) {
       if (i & w) continue;
       const __m512i a = r[i], b = r[i + w];
@@ -163,6 +173,52 @@ void matmul(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int6
   }
 }
 
+// matmul for K = 64 (N a multiple of 32: two column tiles, C 0-1, A 2-3) or 128 (one, C 0,
+// A 1-3): a column block's B tiles are held in 4-7 while every m-tile passes under them,
+// so b, the larger operand, is read once rather than M/16 times.
+void matmul_held_b(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                   int64_t M, int64_t N, int64_t K, float* c, int64_t ldc) {
+  if (K == 2 * kChunk) {
+    for (int64_t n0 = 0; n0 < N; n0 += 2 * kTile) {
+      _tile_loadd(4, b + n0, ldb * 4);
+      _tile_loadd(5, b + kTile * ldb + n0, ldb * 4);
+      _tile_loadd(6, b + n0 + kTile, ldb * 4);
+      _tile_loadd(7, b + kTile * ldb + n0 + kTile, ldb * 4);
+      for (int64_t m = 0; m < M; m += kTile) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, a + m * lda, lda * 2);
+        _tile_loadd(3, a + m * lda + kChunk, lda * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(1, 3, 7);
+        _tile_stored(0, c + m * ldc + n0, ldc * 4);
+        _tile_stored(1, c + m * ldc + n0 + kTile, ldc * 4);
+      }
+    }
+    return;
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += kTile) {  // K == 4 * kChunk
+    _tile_loadd(4, b + n0, ldb * 4);
+    _tile_loadd(5, b + kTile * ldb + n0, ldb * 4);
+    _tile_loadd(6, b + 2 * kTile * ldb + n0, ldb * 4);
+    _tile_loadd(7, b + 3 * kTile * ldb + n0, ldb * 4);
+    for (int64_t m = 0; m < M; m += kTile) {
+      _tile_zero(0);
+      _tile_loadd(1, a + m * lda, lda * 2);
+      _tile_loadd(2, a + m * lda + kChunk, lda * 2);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(3, a + m * lda + 2 * kChunk, lda * 2);
+      _tile_dpbf16ps(0, 2, 5);
+      _tile_loadd(1, a + m * lda + 3 * kChunk, lda * 2);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_dpbf16ps(0, 1, 7);
+      _tile_stored(0, c + m * ldc + n0, ldc * 4);
+    }
+  }
+}
+
 // 2^t for t <= 0, good to a few parts in 1e5: enough for p, which is rounded to bf16
 // (8 significant bits) before p·v. exp_nonpositive (fast_exp.h) is good to ~1 ulp of
 // fp32 at several times the operations, and the softmax is most of this kernel's time
@@ -181,34 +237,43 @@ inline __m512 exp2_nonpositive(__m512 t) {
 }
 
 // p [W] bf16 = the softmax numerators of s [W] * scale over [lo, hi), 0 elsewhere;
-// returns their fp32 sum.
+// returns their fp32 sum. Two passes (max; exp, sum and bf16), lane masks only where a
+// chunk straddles lo or hi, four running maxima so the max is not one long chain.
 float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale,
                   uint16_t* p) {
   using lanes::Vec;
   const __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto seen = [&](int64_t j) {  // lanes j + l with lo <= j + l < hi
+  auto seen = [&](int64_t j) -> __mmask16 {  // lanes j + l with lo <= j + l < hi
+    if (j >= lo && j + kTile <= hi) return 0xFFFF;
     const __m512i key = _mm512_add_epi32(ids, _mm512_set1_epi32(static_cast<int32_t>(j)));
     return static_cast<__mmask16>(
         _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
         _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(hi))));
   };
   const int64_t from = lo / kTile * kTile, to = (hi + kTile - 1) / kTile * kTile;
-  Vec m = lanes::splat(-std::numeric_limits<float>::infinity());
-  for (int64_t j = from; j < to; j += kTile)
-    m = lanes::max_where(seen(j), m, lanes::load(s + j));
-  // e^(scale (s - max)) = 2^(s log2(e) scale - max log2(e) scale): one FMA a lane.
+  const Vec none = lanes::splat(-std::numeric_limits<float>::infinity());
+  Vec m[4] = {none, none, none, none};
+  int64_t j = from;
+  for (; j + 4 * kTile <= to; j += 4 * kTile)
+    for (int u = 0; u < 4; ++u)
+      m[u] = lanes::max_where(seen(j + u * kTile), m[u], lanes::load(s + j + u * kTile));
+  for (; j < to; j += kTile) m[0] = lanes::max_where(seen(j), m[0], lanes::load(s + j));
+  const float top = lanes::max_lanes(_mm512_max_ps(_mm512_max_ps(m[0], m[1]),
+                                                   _mm512_max_ps(m[2], m[3])));
+  // e^(scale (s - max)) = 2^(s log2(e) scale - max log2(e) scale): one FMA a lane; lanes
+  // not seen may exceed the max (even to inf) and are zeroed after.
   const float k = scale * 1.44269504088896341f;
-  const Vec sc = lanes::splat(k), shift = lanes::splat(-lanes::max_lanes(m) * k);
-  Vec sum = lanes::zero();
+  const Vec sc = lanes::splat(k), shift = lanes::splat(-top * k);
+  Vec sum[2] = {lanes::zero(), lanes::zero()};
   std::fill(p, p + from, uint16_t{0});
-  for (int64_t j = from; j < to; j += kTile) {
-    const Vec t = _mm512_min_ps(lanes::fmadd(lanes::load(s + j), sc, shift), lanes::zero());
+  for (j = from; j < to; j += kTile) {
+    const Vec t = lanes::fmadd(lanes::load(s + j), sc, shift);
     const Vec e = lanes::zero_unless(seen(j), exp2_nonpositive(t));
-    sum = lanes::add(sum, e);
+    sum[(j / kTile) & 1] = lanes::add(sum[(j / kTile) & 1], e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
   std::fill(p + to, p + W, uint16_t{0});
-  return lanes::sum_lanes(sum);
+  return lanes::sum_lanes(lanes::add(sum[0], sum[1]));
 }
 
 template <typename T>
@@ -297,7 +362,10 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             std::fill(dst, dst + D, uint16_t{0});
           }
         }
-        matmul(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
+        if (D == 2 * kChunk || D == 4 * kChunk)
+          matmul_held_b(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
+        else
+          matmul(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
         for (int64_t r = 0; r < M; ++r) {
           uint16_t* pr = p.data() + r * W;
           if (r >= rows) {
