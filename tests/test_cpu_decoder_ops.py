@@ -114,3 +114,34 @@ def test_rotary_kv_store_matches_rotate_then_store(dtype, pool_dtype, rot, token
     assert torch.equal(qkv[:, :heads], want_q)  # in place, in the fused rows
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_kv_store_nan_and_subnormal_bits(dtype):
+    """Subnormal lanes (which a hardware bfloat16 conversion would flush to zero) still give
+    torch's bits, and NaN lanes stay NaN beside them."""
+    from models.rope import apply_rotary
+
+    tokens, heads, kv_heads, dim = 40, 9, 3, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    qkv[::3, :, ::7] = float("nan")
+    qkv[1::3, :, 1::5] = 3e-39  # subnormal in float32; a subnormal product under bf16
+    qkv[2::3, :, 2::9] = 1e-38
+    qkv = qkv.to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
+    slot_mapping = torch.randperm(2 * tokens)[:tokens]
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    want_kc = torch.zeros(kv_heads, 2 * tokens, dim, dtype=torch.bfloat16)
+    want_vc = torch.zeros_like(want_kc)
+    want_kc.index_copy_(1, slot_mapping, want_k.transpose(0, 1).to(torch.bfloat16))
+    want_vc.index_copy_(1, slot_mapping, v.transpose(0, 1).to(torch.bfloat16))
+    kc, vc = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
+    KERNELS.rotary_kv_store_(q, k, v, cos, sin, kc, vc, slot_mapping)
+    for got, want in [(qkv[:, :heads], want_q), (kc, want_kc), (vc, want_vc)]:
+        # NaN bits differ between torch's own paths; NaNs must land where torch's do
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan], want[~nan])
