@@ -88,20 +88,21 @@ def test_other_shapes_fall_back_to_the_reference():
 @pytest.mark.parametrize(("dtype", "pool_dtype"), [(torch.float32, None), (torch.bfloat16, None),
                                                    (torch.float32, torch.bfloat16)],
                          ids=["fp32", "bf16", "fp32-bf16-pool"])
-@pytest.mark.parametrize("rot", [64, 32])  # full, and partial rotary (Phi-3 style)
-def test_rotary_kv_store_matches_rotate_then_store(dtype, pool_dtype, rot):
+@pytest.mark.parametrize("rot", [64, 32, 48])  # full, partial (Phi-3 style), a scalar tail
+@pytest.mark.parametrize("tokens", [5, 300])  # one task, and a prefill split across threads
+def test_rotary_kv_store_matches_rotate_then_store(dtype, pool_dtype, rot, tokens):
     """q rotated in place inside the fused qkv rows, k rotated into the pool, v stored,
     bit for bit what models/rope.py and two index_copy_ calls give; into a bfloat16 pool
     under float32 (`--kv-cache-dtype bfloat16`) each value rounded as `.to` rounds it."""
     from models.rope import apply_rotary
 
-    tokens, heads, kv_heads, dim, slots = 5, 9, 3, 64, 40
+    heads, kv_heads, dim, slots = 9, 3, 64, 8 * tokens
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     angles = torch.rand(tokens, rot // 2) * 6
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
-    slot_mapping = torch.tensor([7, 0, 39, 12, 13])
+    slot_mapping = torch.randperm(slots)[:tokens]
     want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     want_kc = torch.zeros(kv_heads, slots, dim, dtype=pool_dtype or dtype)
     want_vc = torch.zeros_like(want_kc)
@@ -113,3 +114,34 @@ def test_rotary_kv_store_matches_rotate_then_store(dtype, pool_dtype, rot):
     assert torch.equal(qkv[:, :heads], want_q)  # in place, in the fused rows
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_kv_store_nan_and_subnormal_bits(dtype):
+    """Subnormal lanes (which a hardware bfloat16 conversion would flush to zero) still give
+    torch's bits, and NaN lanes stay NaN beside them."""
+    from models.rope import apply_rotary
+
+    tokens, heads, kv_heads, dim = 40, 9, 3, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)
+    qkv[::3, :, ::7] = float("nan")
+    qkv[1::3, :, 1::5] = 3e-39  # subnormal in float32; a subnormal product under bf16
+    qkv[2::3, :, 2::9] = 1e-38
+    qkv = qkv.to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    angles = torch.rand(tokens, dim // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)[:, None, :]
+    slot_mapping = torch.randperm(2 * tokens)[:tokens]
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    want_kc = torch.zeros(kv_heads, 2 * tokens, dim, dtype=torch.bfloat16)
+    want_vc = torch.zeros_like(want_kc)
+    want_kc.index_copy_(1, slot_mapping, want_k.transpose(0, 1).to(torch.bfloat16))
+    want_vc.index_copy_(1, slot_mapping, v.transpose(0, 1).to(torch.bfloat16))
+    kc, vc = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
+    KERNELS.rotary_kv_store_(q, k, v, cos, sin, kc, vc, slot_mapping)
+    for got, want in [(qkv[:, :heads], want_q), (kc, want_kc), (vc, want_vc)]:
+        # NaN bits differ between torch's own paths; NaNs must land where torch's do
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan], want[~nan])

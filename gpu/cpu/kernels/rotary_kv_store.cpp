@@ -24,6 +24,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -50,21 +51,24 @@ inline void store(const T* src, KV* dst, int64_t n) {
 }
 
 // One head rotated from `src` into `dst` (they may be the same row: each pair is read
-// before either half is written), computed in T and stored as KV.
-template <typename T, typename KV>
-inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t rot,
+// before either half is written), computed in T and stored as KV. `cos` and `sin` are
+// the token's tables, in T or already widened to float (C): the same values either way.
+template <typename T, typename KV, typename C>
+inline void rotate(const T* src, KV* dst, const C* cos, const C* sin, int64_t rot,
                    int64_t dim) {
   const int64_t half = rot / 2;
   int64_t i = 0;
-  // The same products, sums and roundings on vector lanes (lanes.h), then the tail.
+  // The same products, sums and roundings on vector lanes (lanes.h), then the tail. The
+  // sums are not rounded to T before the store: a bfloat16 T's store rounds them the
+  // same way, and a float T leaves them as they are (then a bfloat16 pool rounds them).
 #ifdef LANES_VECTORS
   using lanes::add, lanes::load, lanes::mul, lanes::rounded;
   for (; i + lanes::kLanes <= half; i += lanes::kLanes) {
     const lanes::Vec a = load(src + i), b = load(src + i + half);
-    const lanes::Vec lo = rounded<T>(add(rounded<T>(mul(a, load(cos + i))),
-                                         rounded<T>(mul(lanes::neg(b), load(sin + i)))));
-    const lanes::Vec hi = rounded<T>(add(rounded<T>(mul(b, load(cos + i + half))),
-                                         rounded<T>(mul(a, load(sin + i + half)))));
+    const lanes::Vec lo = add(rounded<T>(mul(a, load(cos + i))),
+                              rounded<T>(mul(lanes::neg(b), load(sin + i))));
+    const lanes::Vec hi = add(rounded<T>(mul(b, load(cos + i + half))),
+                              rounded<T>(mul(a, load(sin + i + half))));
     lanes::store(dst + i, lo);
     lanes::store(dst + i + half, hi);
   }
@@ -79,6 +83,21 @@ inline void rotate(const T* src, KV* dst, const T* cos, const T* sin, int64_t ro
   if (static_cast<const void*>(dst) != static_cast<const void*>(src))
     store(src + rot, dst + rot, dim - rot);
 }
+
+// Each token's heads in turn, rotated with the token's tables as `C`.
+template <typename T, typename KV, typename C>
+inline void token(T* q, int64_t q_head, const T* k, int64_t k_head, const T* v,
+                  int64_t v_head, const C* c, const C* s, KV* kc, KV* vc, int64_t heads,
+                  int64_t kv_heads, int64_t rot, int64_t dim, int64_t pool_head) {
+  for (int64_t h = 0; h < heads; ++h) rotate(q + h * q_head, q + h * q_head, c, s, rot, dim);
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    rotate(k + h * k_head, kc + h * pool_head, c, s, rot, dim);
+    store(v + h * v_head, vc + h * pool_head, dim);
+  }
+}
+
+// Widest rot whose tables a task widens to float once per token, for all its heads.
+constexpr int64_t kMaxWidened = 512;
 
 template <typename T, typename KV>
 void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -95,21 +114,32 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
   KV* vc = v_cache.mutable_data_ptr<KV>();
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
-  // Parallel only for long prefills (~1M elements a task): see decoder_ops.cpp's grain.
-  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 20) / ((heads + kv_heads) * dim)),
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1), k_tok = k.stride(0),
+                k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
+  const int64_t pool_head = num_slots * dim;
+  // Rotation costs more per byte than a norm's loop, so long prefills split at ~64K
+  // elements a task; decode batches stay on the calling thread (decoder_ops.cpp's grain).
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 16) / ((heads + kv_heads) * dim)),
                    [&](int64_t begin, int64_t end) {
+    float wide[2][kMaxWidened];  // cos and sin widened, when T is bfloat16
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * cs;
       const T* s = sp + t * ss;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* row = qp + t * q.stride(0) + h * q.stride(1);
-        rotate(row, row, c, s, rot, dim);
-      }
-      const int64_t at = slot[t];
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t dst = (h * num_slots + at) * dim;
-        rotate(kp + t * k.stride(0) + h * k.stride(1), kc + dst, c, s, rot, dim);
-        store(vp + t * v.stride(0) + h * v.stride(1), vc + dst, dim);
+      T* qt = qp + t * q_tok;
+      const T* kt = kp + t * k_tok;
+      const T* vt = vp + t * v_tok;
+      KV* kct = kc + slot[t] * dim;
+      KV* vct = vc + slot[t] * dim;
+      if (std::is_same_v<T, float> || rot > kMaxWidened) {
+        token(qt, q_head, kt, k_head, vt, v_head, c, s, kct, vct, heads, kv_heads, rot, dim,
+              pool_head);
+      } else {
+        for (int64_t i = 0; i < rot; ++i) {
+          wide[0][i] = widen(c[i]);
+          wide[1][i] = widen(s[i]);
+        }
+        token(qt, q_head, kt, k_head, vt, v_head, wide[0], wide[1], kct, vct, heads,
+              kv_heads, rot, dim, pool_head);
       }
     }
   });
