@@ -27,6 +27,7 @@ from gpu.graphs import (
 from gpu.profiling import GRAPH_OVERHEAD_BYTES, profile_memory, profile_query_lens
 from gpu.runner import ModelRunner, RunnerSpec
 from models.tiny import make_tiny_llama
+from tests.graph_replay import assert_same_step, replay_and_eager
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -209,25 +210,8 @@ def test_replay_on_static_buffers_matches_eager(tiny_dir, max_model_len, engine_
     seqs.advance([0, 1, 2], runner.execute(seqs.batch()).token_ids)  # eager prefill
     for rows in ([0, 1, 2], [1], [0, 2]):  # buckets 4 (one padding row), 1, 2
         batch = seqs.batch(rows)
-        before = [c.clone() for c in runner.k_caches + runner.v_caches]
-        runner.graphs = graphs
-        replayed = runner.execute(batch)
-        after_graph = [c.clone() for c in runner.k_caches + runner.v_caches]
-        for cache, old in zip(runner.k_caches + runner.v_caches, before):
-            cache.copy_(old)
-        runner.graphs = None
-        eager = runner.execute(batch)
-
-        assert replayed.token_ids == eager.token_ids
-        for (lp_g, top_g), (lp_e, top_e) in zip(replayed.logprobs, eager.logprobs):
-            assert lp_g == pytest.approx(lp_e, abs=1e-4)
-            assert [t for t, _ in top_g] == [t for t, _ in top_e]
-        written = batch.slot_mapping
-        for old, new, now in zip(before, after_graph, runner.k_caches + runner.v_caches):
-            flat_old, flat_new = old.flatten(0, 1), new.flatten(0, 1)
-            changed = (flat_old != flat_new).flatten(1).any(1).nonzero().flatten()
-            assert set(changed.tolist()) <= set(written)  # padding stored nothing
-            torch.testing.assert_close(new, now, atol=1e-4, rtol=1e-4)
+        replayed, eager, before, after = replay_and_eager(runner, graphs, batch)
+        assert_same_step(runner, replayed, eager, before, after, batch.slot_mapping)
         assert torch.isfinite(graphs.hidden).all()
         seqs.advance(rows, eager.token_ids)
     assert graphs.replays == 3

@@ -19,6 +19,7 @@ from gpu.batch import Batch, PromptLogprobsRequest, SamplingRow
 from gpu.graphs import GraphRunner
 from gpu.verify_graphs import VerifyGraphs, graph_token_counts, pad_verify_batch, verify_sizes
 from models.tiny import make_tiny_llama
+from tests.graph_replay import assert_same_step, replay_and_eager
 from tests.test_graphs import tiny_runner
 from tests.test_spec_decode import SPEC, ScriptedProposer, assert_clean, make_llm
 
@@ -161,23 +162,8 @@ def test_verify_replay_matches_eager_with_rollbacks(graph_dir) -> None:
         drafts = [[(17 * step + 5 * i + j) % 500 + 3 for j in range(n)]
                   for i, n in enumerate(ns)]
         batch = seqs.batch(drafts)
-        before = [c.clone() for c in runner.k_caches + runner.v_caches]
-        runner.graphs = graphs
-        replayed = runner.execute(batch)
-        after_graph = [c.clone() for c in runner.k_caches + runner.v_caches]
-        for cache, old in zip(runner.k_caches + runner.v_caches, before):
-            cache.copy_(old)
-        runner.graphs = None
-        eager = runner.execute(batch)
-
-        assert replayed.token_ids == eager.token_ids
-        for (lp_g, top_g), (lp_e, top_e) in zip(replayed.logprobs, eager.logprobs):
-            assert lp_g == pytest.approx(lp_e, abs=1e-4)
-            assert [t for t, _ in top_g] == [t for t, _ in top_e]
-        for old, new, now in zip(before, after_graph, runner.k_caches + runner.v_caches):
-            changed = (old.flatten(0, 1) != new.flatten(0, 1)).flatten(1).any(1)
-            assert set(changed.nonzero().flatten().tolist()) <= set(batch.slot_mapping)
-            torch.testing.assert_close(new, now, atol=1e-4, rtol=1e-4)
+        replayed, eager, before, after = replay_and_eager(runner, graphs, batch)
+        assert_same_step(runner, replayed, eager, before, after, batch.slot_mapping)
         seqs.advance(drafts, eager.token_ids)
     assert graphs.verify.replays == 5 and graphs.replays == 1
     assert torch.isfinite(graphs.verify.hidden).all()
