@@ -21,6 +21,7 @@ deserialized on them (milliseconds for a typical schema), never on the event loo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -119,6 +120,10 @@ class CompilePool:
             job.future.cancel()
         for w in self.workers:
             w.kill(None)
+        for w in self.workers:  # SIGKILLed, maybe still unmapping: gone when this returns
+            if (proc := w.proc) is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=2)
 
     def _take(self, worker: _Worker) -> CompileJob | None:
         """The first queued job `worker` may run (called holding the condition)."""
