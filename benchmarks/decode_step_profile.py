@@ -1,0 +1,78 @@
+"""Where a decode step goes at a given batch: SmolLM2 offline, one step timed and profiled.
+
+    python benchmarks/decode_step_profile.py [--dtype auto] [--batch 1,32] [--prompt 128]
+        [--steps 40]
+
+For each batch size: that many requests of PROMPT random tokens, prefilled and run ten
+steps, then STEPS decode steps timed one by one (the median is printed: the engine's
+whole step, scheduling and output processing included), then another run profiled on
+the model thread (where the step runs: a profiler started on the caller's thread sees
+none of it) and torch.profiler's table by self time, with the host's CPU and ISA. The
+gap between the step and the table's total per step is what no op accounts for: Python
+between the ops, the engine's host work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from host import describe
+from torch.profiler import ProfilerActivity, profile
+
+from app.engine.sampling_params import SamplingParams
+from app.llm import LLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", default="1,32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args()
+    engine = LLM(dtype=a.dtype).engine
+    rng = random.Random(0)
+    runs = 0
+
+    def run(batch: int, prof: profile | None = None) -> list[float]:
+        """Seconds of each of `a.steps` decode steps of `batch` requests."""
+        nonlocal runs
+        runs += 1
+        params = SamplingParams(max_tokens=a.steps + 10, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            prompt = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+            engine.add_request(f"r{runs}-{i}", prompt, params)
+        for _ in range(10):  # the prefill, then decode steps to warm every path
+            engine.step()
+        if prof is not None:
+            engine.worker.call(lambda runner: prof.__enter__()).result()
+        times = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        if prof is not None:
+            engine.worker.call(lambda runner: prof.__exit__(None, None, None)).result()
+        while engine.has_work:
+            engine.step()
+        return times
+
+    print(describe())
+    for batch in (int(b) for b in a.batch.split(",")):
+        run(batch)
+        step = statistics.median(run(batch))
+        prof = profile(activities=[ProfilerActivity.CPU])
+        run(batch, prof)
+        events = prof.key_averages()
+        ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / a.steps
+        print(f"\nbatch {batch}, prompt {a.prompt}: step {step * 1e3:.2f} ms (median of "
+              f"{a.steps}); ops' self time {ops_ms:.2f} ms a step (profiled run)")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15,
+                           max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
