@@ -28,6 +28,8 @@ NO_KERNELS = CpuCapabilities(bf16_arithmetic=True, onednn_packing=True)
 
 B, I8, AMX_, PLAIN, PACKED, WIDE = (Route.BLOCKS, Route.BLOCKS_INT8, Route.AMX, Route.PLAIN,
                                     Route.PACKED, Route.WIDENED)
+DOT = Route.BLOCKS_BF16
+NO_DOT = dataclasses.replace(AVX512_BF16, ops=NO_AMX - {"q4_1_linear_bf16"})
 
 # (capabilities, weight dtype, blocks' format, int8 activations, rows, route)
 TABLE = [
@@ -57,13 +59,20 @@ TABLE = [
     (PORTABLE, F32, "q4_1", True, 1, PLAIN),  # no blocks there, so no int8 either
     (AVX512_BF16, F32, None, True, 64, PACKED),
     # bf16 with bf16 arithmetic: the widened blocks for the fewest rows, then oneDNN's bf16.
+    (AVX512_BF16, BF16, "q4_1", False, 1, DOT),
+    (AVX512_BF16, BF16, "q4_1", False, 2, B),
+    (NO_DOT, BF16, "q4_1", False, 1, B),  # a library built without AVX512-BF16
+    (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply
+    (AVX512_BF16, BF16, "q4_1", True, 2, B),
+    (AMX, F32, "q4_1", False, 1, B),  # the dot product is for bf16 x only
+    (AVX512, BF16, "q4_1", False, 1, B),  # widened: a float32 multiply
     (AVX512_BF16, BF16, "q4_1", False, 6, B),
     (AVX512_BF16, BF16, "q4_1", False, 7, PACKED),
     (AVX512_BF16, BF16, "q8_0", False, 1, B),
     (AVX512_BF16, BF16, "q8_0", False, 2, PACKED),
     (AVX512_BF16, BF16, None, False, 1, PACKED),
-    (AVX512_BF16, BF16, "q4_1", True, 1, B),  # int8 needs a float32 multiply
     # ... and with AMX: the tile unit for Q4_1's middle rows.
+    (AMX, BF16, "q4_1", False, 1, DOT),  # one row: the bf16 dot-product kernel
     (AMX, BF16, "q4_1", False, 2, B),
     (AMX, BF16, "q4_1", False, 3, AMX_),
     (AMX, BF16, "q4_1", False, 64, AMX_),

@@ -114,6 +114,10 @@ class PackedLinear(nn.Module):
         self._quantized_op = (capabilities.op(f"{quantized.format}_linear{suffix}")
                               if plan.blocks else None)
         self.quantized_max_rows = plan.blocks_max_rows
+        # bf16 calls of the fewest rows: the AVX512-BF16 dot-product kernel, same blocks.
+        self._dot_max_rows = plan.dot_max_rows
+        self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
+                        if plan.dot_max_rows else None)
         self.amx_rows = plan.amx_rows
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
                         if plan.amx_rows is not None else None)
@@ -158,6 +162,8 @@ class PackedLinear(nn.Module):
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         # bf16 x too: the kernels widen it, multiply in float32 and round the sums once.
+        if x.shape[0] <= self._dot_max_rows:
+            return self._dot_op(x, *self._quantized_args)
         return self._quantized_op(x, *self._quantized_args)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

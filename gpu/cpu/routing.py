@@ -12,6 +12,10 @@ The routes, in the order a call tries them:
   (`quant_linear.cpp`). Decode streams every weight once a step, and the blocks are
   ~0.6 bytes a weight against 4 (fp32) or 2 (bf16), so for few rows they win. For more
   rows the kernel's FMAs, not memory, bound it, and oneDNN's packed matmul wins.
+- `blocks_bf16`: a bf16 model's Q4_1 blocks through the AVX512-BF16 dot-product kernel
+  (`quant_linear_bf16.cpp`), for the fewest rows: exact as `blocks` (bf16 levels times
+  bf16 x, summed in float32), fewer instructions to widen the weights, which is what
+  binds one row; from two rows its dot products cost more than `blocks`' FMAs.
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
   every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
 - `amx`: a bf16 model's Q4_1 blocks on the AMX tile unit (`quant_linear_amx.cpp`), for
@@ -51,10 +55,14 @@ BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
 # bf16 with AMX: Q4_1 calls of these many rows run on the tile unit, and the widened
 # blocks keep only the calls below; above, oneDNN's packed bf16 is as fast or faster.
 AMX_ROWS = {"q4_1": range(3, 65)}
+# bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
+# (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
+BF16_DOT_MAX_ROWS = {"q4_1": 1}
 
 
 class Route(str, Enum):
     BLOCKS = "blocks"
+    BLOCKS_BF16 = "blocks_bf16"
     BLOCKS_INT8 = "blocks_int8"
     AMX = "amx"
     PLAIN = "plain"
@@ -100,8 +108,9 @@ def multiply_dtype(dtype: torch.dtype, capabilities: CpuCapabilities) -> torch.d
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """A layer's routes by rows, resolved once: calls of up to `blocks_max_rows` rows take
-    `blocks_route`, rows in `amx_rows` take AMX, fewer than `plain_below` rows the plain
+    """A layer's routes by rows, resolved once: calls of up to `dot_max_rows` rows take
+    the bf16 dot-product kernel, the rest up to `blocks_max_rows` rows `blocks_route`,
+    rows in `amx_rows` take AMX, fewer than `plain_below` rows the plain
     weight, the rest oneDNN's packed weight (widened when `widen`)."""
 
     blocks_max_rows: int = 0  # 0: no blocks; sys.maxsize: every call (int8)
@@ -109,6 +118,7 @@ class RoutePlan:
     amx_rows: range | None = None
     plain_below: int = 0
     widen: bool = False
+    dot_max_rows: int = 0  # 0: no bf16 dot-product kernel; never above blocks_max_rows
 
     @property
     def blocks(self) -> bool:
@@ -120,6 +130,8 @@ class RoutePlan:
         return self.blocks_max_rows != sys.maxsize
 
     def route(self, rows: int) -> Route:
+        if rows <= self.dot_max_rows:
+            return Route.BLOCKS_BF16
         if rows <= self.blocks_max_rows:
             return self.blocks_route
         if self.amx_rows is not None and rows in self.amx_rows:
@@ -149,7 +161,9 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
                 and capabilities.has(f"{fmt_op}_amx") else None)
     if amx_rows is not None:
         most = min(most, amx_rows.start - 1)
-    return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen)
+    dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
+           if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
+    return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot)
 
 
 def choose_route(shape: LinearShape, capabilities: CpuCapabilities) -> Route:
