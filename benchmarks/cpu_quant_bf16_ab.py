@@ -32,17 +32,19 @@ OPS = {"blocks": "q4_1_linear", "dot": "q4_1_linear_bf16", "amx": "q4_1_linear_a
 
 
 def build(kernels, variants):
-    """Per shape: 30 copies of the panels' arguments; per variant its op."""
-    weights = {}
+    """Per variant: its op and, per shape, 30 copies of its arguments."""
+    weights, dot_weights = {}, {}
     for name in LAYER_SHAPES:
         n, k, fmt = SHAPES[name]
-        weights[name] = []
+        weights[name], dot_weights[name] = [], []
         for _ in range(LAYERS):
             q, _w = random_weight(n, k, fmt)
             panels = PanelBlocks.of(QuantizedWeight(fmt, *q))
             weights[name].append((*panels.tensors, n))
+            dot_weights[name].append((panels.dot_pairs(), *panels.tensors[1:], n))
     ops = {v: getattr(kernels, OPS[v]) for v in variants}
-    return weights, ops
+    # The dot kernel reads its own regrouping of the levels (`PanelBlocks.dot_pairs`).
+    return {v: dot_weights if v == "dot" else weights for v in variants}, ops
 
 
 def time_step(op, weights, xs) -> dict[str, float]:
@@ -71,25 +73,25 @@ def main() -> None:
     variants = [v for v in OPS if hasattr(kernels.namespace, OPS[v])]
     if "amx" in variants and not kernels.amx_usable():
         variants.remove("amx")
-    weights, ops = build(kernels, variants)
+    args, ops = build(kernels, variants)
     rows = []
     with torch.inference_mode():
         for m in map(int, a.rows.split(",")):
             xs = {name: torch.randn(m, SHAPES[name][1]).to(torch.bfloat16)
                   for name in LAYER_SHAPES}
             for name in LAYER_SHAPES:  # agree to bf16 rounding (AMX: of the weights too)
-                ref = ops["blocks"](xs[name], *weights[name][0]).float()
+                ref = ops["blocks"](xs[name], *args["blocks"][name][0]).float()
                 for v in variants:
-                    out = ops[v](xs[name], *weights[name][0]).float()
+                    out = ops[v](xs[name], *args[v][name][0]).float()
                     err = (out - ref).abs().max() / ref.abs().max()
                     assert err < 2e-2, f"{v} {name}: relative error {err:.3g}"
             for v in variants:  # warm-up
-                time_step(ops[v], weights, xs)
+                time_step(ops[v], args[v], xs)
             samples = {v: {name: [] for name in LAYER_SHAPES} for v in variants}
             for rep in range(a.reps):
                 first = rep % len(variants)
                 for v in variants[first:] + variants[:first]:
-                    steps = [time_step(ops[v], weights, xs) for _ in range(a.steps)]
+                    steps = [time_step(ops[v], args[v], xs) for _ in range(a.steps)]
                     for name in LAYER_SHAPES:
                         samples[v][name].append(statistics.median(s[name] for s in steps))
             total = {v: 0.0 for v in variants}

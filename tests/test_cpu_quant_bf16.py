@@ -7,7 +7,8 @@ output must be the dequantized weight rounded to bf16, bit for bit. Random bf16 
 checks the matmul against float32 on the exact weights (the kernel sums in float32 and
 rounds once to bf16: at most one bf16 ulp apart, where the float32 sum is not exactly
 on a rounding boundary), with N that leaves the last 32-output panel partly empty, K of
-one block and of many, strided x, and against the float32 kernel's bf16 path.
+one block and of many, strided x; and bit for bit against the float32 kernel's bf16
+path (`q4_1_linear` with bf16 x), whose sums it reproduces in the same order.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ def _seed() -> None:
 
 
 def panels(qweight, scales, mins) -> tuple:
+    """The float32 kernel's arguments."""
     return (*PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales, mins)).tensors,
             qweight.shape[0])
+
+
+def pairs(qweight, scales, mins) -> tuple:
+    """The dot-product kernel's arguments."""
+    blocks = PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales, mins))
+    return (blocks.dot_pairs(), *blocks.tensors[1:], qweight.shape[0])
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -42,7 +50,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k", [(32, 32), (45, 64), (96, 576)])
 def test_one_hot_rows_give_each_weight_bit_for_bit(n, k) -> None:
     q = random_q4_1(n, k)
-    args = panels(*q)
+    args = pairs(*q)
     w = dequant_q4_1(*q).to(torch.bfloat16)
     for rows in (1, 2, 3, 4):
         for k0 in range(0, k, rows):
@@ -59,7 +67,7 @@ def test_one_hot_rows_give_each_weight_bit_for_bit(n, k) -> None:
 def test_matmul_matches_exact_weights(m, n, k) -> None:
     q = random_q4_1(n, k)
     x = torch.randn(m, k).to(torch.bfloat16)
-    out = KERNELS.q4_1_linear_bf16(x, *panels(*q))
+    out = KERNELS.q4_1_linear_bf16(x, *pairs(*q))
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     ref = reference(x, dequant_q4_1(*q))
     # One bf16 rounding of sums that differ from float64's in float32's last bits.
@@ -69,20 +77,23 @@ def test_matmul_matches_exact_weights(m, n, k) -> None:
 
 
 @needs_op
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_agrees_with_the_float32_kernel(m) -> None:
-    q = random_q4_1(200, 576)
-    args = panels(*q)
-    x = torch.randn(m, 576).to(torch.bfloat16)
-    ours, theirs = KERNELS.q4_1_linear_bf16(x, *args), KERNELS.q4_1_linear(x, *args)
-    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=1e-5)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (77, 1536), (33, 32)])
+def test_bit_for_bit_the_float32_kernels_bf16_path(m, n, k) -> None:
+    """Same sums in the same order: the dot product of two bf16 values is exact, and
+    vdpbf16ps adds its two products one at a time, as the float32 kernel's FMAs do."""
+    q = random_q4_1(n, k)
+    args, fp32 = pairs(*q), panels(*q)
+    x = (torch.randn(m, k) * torch.logspace(-3, 3, k)).to(torch.bfloat16)
+    ours, theirs = KERNELS.q4_1_linear_bf16(x, *args), KERNELS.q4_1_linear(x, *fp32)
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
 
 
 @needs_op
 @pytest.mark.parametrize("m", [1, 3])
 def test_x_with_a_row_stride(m) -> None:
     q = random_q4_1(64, 128)
-    args = panels(*q)
+    args = pairs(*q)
     wide = torch.randn(m, 300).to(torch.bfloat16)
     x = wide[:, 7:135]
     assert x.stride(0) == 300
@@ -93,7 +104,7 @@ def test_x_with_a_row_stride(m) -> None:
 @needs_op
 def test_no_rows_and_bad_inputs() -> None:
     q = random_q4_1(64, 64)
-    args = panels(*q)
+    args = pairs(*q)
     assert KERNELS.q4_1_linear_bf16(torch.zeros(0, 64, dtype=torch.bfloat16),
                                     *args).shape == (0, 64)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -117,8 +128,8 @@ def test_packed_linear_takes_it_for_one_row_of_a_bf16_layer() -> None:
     exact = dequant_q4_1(qweight, scales, mins)
     layer = PackedLinear(exact.bfloat16(), quantized=q, kernels=KERNELS)
     assert layer.plan.dot_max_rows == 1 and layer.quantized_max_rows >= 2
-    args = panels(qweight, scales, mins)
+    args, fp32 = pairs(qweight, scales, mins), panels(qweight, scales, mins)
     x = torch.randn(2, 576).bfloat16()
     assert torch.equal(layer(x[:1]), KERNELS.q4_1_linear_bf16(x[:1], *args))
-    assert torch.equal(layer(x), KERNELS.q4_1_linear(x, *args))
+    assert torch.equal(layer(x), KERNELS.q4_1_linear(x, *fp32))
     assert PackedLinear(exact, quantized=q, kernels=KERNELS).plan.dot_max_rows == 0

@@ -118,6 +118,10 @@ class PackedLinear(nn.Module):
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
                         if plan.dot_max_rows else None)
+        # Its levels regrouped for it (the panels' bytes once more: AMX and the float32
+        # kernel read the panels).
+        self._dot_args = ((self.quantized.dot_pairs(), *self.quantized.tensors[1:],
+                           self.out_features) if plan.dot_max_rows else ())
         self.amx_rows = plan.amx_rows
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
                         if plan.amx_rows is not None else None)
@@ -137,9 +141,11 @@ class PackedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer holds: packed copy, blocks, plain weight."""
+        """Bytes this layer holds: packed copy, blocks (and their dot-product pairs),
+        plain weight."""
         packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
         blocks = 0 if self.quantized is None else self.quantized.nbytes
+        blocks += self._dot_args[0].numel() * 4 if self._dot_args else 0
         plain = 0 if self.plain is None else self.plain.numel() * self.plain.element_size()
         return packed + blocks + plain
 
@@ -163,7 +169,7 @@ class PackedLinear(nn.Module):
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         # bf16 x too: the kernels widen it, multiply in float32 and round the sums once.
         if x.shape[0] <= self._dot_max_rows:
-            return self._dot_op(x, *self._quantized_args)
+            return self._dot_op(x, *self._dot_args)
         return self._quantized_op(x, *self._quantized_args)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

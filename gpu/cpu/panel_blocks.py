@@ -48,6 +48,23 @@ class PanelBlocks:
                 for t in (q.scales, q.mins) if t is not None]
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
+    def dot_pairs(self) -> torch.Tensor:
+        """Q4_1's levels as the AVX512-BF16 kernel reads them (`quant_linear_bf16.cpp`):
+        int32 [panels, K/32, 4, 32], per chunk c and output n one dword whose low half
+        holds k = 4c + i + 16 and high half k = 4c + i in nibble i. The same bytes as
+        the panels' levels, regrouped so that a shift and a table lookup give a vector of
+        bf16 pairs of one output each."""
+        if self.format != "q4_1":
+            raise ValueError(f"dot_pairs: Q4_1 only, not {self.format}")
+        q = self.tensors[0]  # [panels, K/32, 16 (j), 32]: k = j low nibble, j + 16 high
+        panels, blocks = q.shape[:2]
+        q = q.view(panels, blocks, 4, 4, PANEL).to(torch.int64)  # [.., c, i, n], j = 4c + i
+        shifts = (4 * torch.arange(4)).view(1, 1, 1, 4, 1)
+        low = ((q >> 4) << shifts).sum(3)  # k = j + 16
+        high = ((q & 0x0F) << shifts).sum(3)  # k = j
+        dwords = low | (high << 16)
+        return torch.where(dwords >= 2**31, dwords - 2**32, dwords).to(torch.int32).contiguous()
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
