@@ -133,3 +133,21 @@ def test_packed_linear_takes_it_for_one_row_of_a_bf16_layer() -> None:
     assert torch.equal(layer(x[:1]), KERNELS.q4_1_linear_bf16(x[:1], *args))
     assert torch.equal(layer(x), KERNELS.q4_1_linear(x, *fp32))
     assert PackedLinear(exact, quantized=q, kernels=KERNELS).plan.dot_max_rows == 0
+
+
+@pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+def test_float32_kernels_round_ties_infinities_and_nan_as_torch() -> None:
+    """The float32 kernels' bf16 path rounds its sums in vectors: ties to even, overflow
+    to infinity and NaN exactly as `Tensor.bfloat16()` does (Q8_0, one-hot x: each
+    output is q * d * x, chosen to land on ties, past float32's range, and inf - inf)."""
+    n, k = 40, 64
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d = torch.tensor([1 + 2**-8, 1 + 3 * 2**-9, 2**-14, 1024.0] * 10)[:, None].expand(n, 2)
+    panel_args = (*PanelBlocks.of(QuantizedWeight("q8_0", q, d.contiguous(), None)).tensors, n)
+    for values in ([1.0, 0.0], [2.0**120, 0.0], [2.0**120, -(2.0**120)], [3.0, 5.0]):
+        x = torch.zeros(1, k)
+        x[0, 3], x[0, 7] = values
+        x = x.bfloat16()
+        out = KERNELS.q8_0_linear(x, *panel_args)
+        ref = KERNELS.q8_0_linear(x.float(), *panel_args).bfloat16()
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), values

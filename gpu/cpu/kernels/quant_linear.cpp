@@ -149,10 +149,8 @@ inline void tile_buffered(const float* wbuf, int64_t kc, const float* x, int64_t
 #endif
 
 template <typename W>
-void quant_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
-  const int64_t M = x.size(0), xs = x.stride(0);
-  const float* x_ptr = x.const_data_ptr<float>();
-  float* out_ptr = out.mutable_data_ptr<float>();
+void quant_linear(const W& w, const float* x_ptr, int64_t M, int64_t xs, int64_t N,
+                  float* out_ptr) {
   // The AVX2 path (quant_linear_avx2.h) takes its own from w and N.
   [[maybe_unused]] const int64_t K = w.K, panels = (N + kPanel - 1) / kPanel;
 #ifdef __AVX512F__
@@ -268,31 +266,54 @@ void check_per_block(const at::Tensor& s, const at::Tensor& qweight, const char*
               s.scalar_type(), " ", s.sizes());
 }
 
+// float32 sums rounded to bf16 as `c10::BFloat16(float)` does, bit for bit: to nearest
+// even, NaN as 0x7FC0. Vectorized: an LM head's call rounds ~50k outputs.
+void round_to_bf16(const float* in, c10::BFloat16* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i nan = _mm512_set1_epi32(0x7FC0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(in + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
+}
+
 // x @ W.T in float32, for x of either dtype. bf16 x (a bf16 layer's calls of few rows:
 // gpu/cpu/linear.py) is widened on the way in, exactly, and the float32 sums are rounded
 // to bf16 once on the way out (nearest even, as torch's `.to(torch.bfloat16)`): the same
 // values as `op(x.float()).to(torch.bfloat16)`, without the two Python-dispatched
-// conversions per call (~240 a one-row decode step of SmolLM2).
+// conversions per call (~240 a one-row decode step of SmolLM2). The float32 copies live
+// in per-thread buffers, not tensors: a one-row call is short enough that allocating
+// them shows.
 template <typename W>
 at::Tensor in_float32(const W& w, const at::Tensor& x, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
   if (x.scalar_type() == at::kFloat) {
-    at::Tensor out = at::empty({M, N}, x.options());
-    if (M > 0) quant_linear(w, x, N, out);
+    quant_linear(w, x.const_data_ptr<float>(), M, x.stride(0), N, out.mutable_data_ptr<float>());
     return out;
   }
-  at::Tensor out = at::empty({M, N}, x.options());  // bf16
-  if (M == 0) return out;
-  at::Tensor xf = at::empty({M, K}, x.options().dtype(at::kFloat));
-  at::Tensor of = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // Kept per thread up to 4 MB each (a few-row call's), allocated per call above.
+  constexpr int64_t kKept = 1 << 20;
+  static thread_local std::vector<float> kept_x, kept_out;
+  std::vector<float> once_x, once_out;
+  std::vector<float>& xv = M * K <= kKept ? kept_x : once_x;
+  std::vector<float>& ov = M * N <= kKept ? kept_out : once_out;
+  xv.resize(M * K);
+  ov.resize(M * N);
   const c10::BFloat16* xb = x.const_data_ptr<c10::BFloat16>();
-  float* xw = xf.mutable_data_ptr<float>();
   for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; ++k) xw[i * K + k] = static_cast<float>(xb[i * x.stride(0) + k]);
-  quant_linear(w, xf, N, of);
-  const float* ow = of.const_data_ptr<float>();
-  c10::BFloat16* ob = out.mutable_data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < M * N; ++i) ob[i] = c10::BFloat16(ow[i]);
+    for (int64_t k = 0; k < K; ++k) xv[i * K + k] = static_cast<float>(xb[i * x.stride(0) + k]);
+  quant_linear(w, xv.data(), M, K, N, ov.data());
+  round_to_bf16(ov.data(), out.mutable_data_ptr<c10::BFloat16>(), M * N);
   return out;
 }
 
