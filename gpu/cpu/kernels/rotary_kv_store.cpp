@@ -117,9 +117,9 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
   const int64_t q_tok = q.stride(0), q_head = q.stride(1), k_tok = k.stride(0),
                 k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
   const int64_t pool_head = num_slots * dim;
-  // Rotation costs more per byte than a norm's loop, so long prefills split at ~64K
-  // elements a task; decode batches stay on the calling thread (decoder_ops.cpp's grain).
-  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 16) / ((heads + kv_heads) * dim)),
+  // ~8K elements a task (decoder_ops.cpp's grain): a decode batch of a few dozen tokens
+  // splits over two threads, a handful of tokens stays on the calling thread.
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 13) / ((heads + kv_heads) * dim)),
                    [&](int64_t begin, int64_t end) {
     float wide[2][kMaxWidened];  // cos and sin widened, when T is bfloat16
     for (int64_t t = begin; t < end; ++t) {
