@@ -42,8 +42,11 @@ def time_ops(iters: int) -> dict:
         q = qkv[:, : HEADS * DIM].view(tokens, HEADS, DIM)
         k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(tokens, KV_HEADS, DIM)
         v = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
-        cos = torch.randn(tokens, DIM, dtype=torch.bfloat16)
-        sin = torch.randn(tokens, DIM, dtype=torch.bfloat16)
+        # A true rotation (cos^2 + sin^2 = 1): q is rotated in place on every call, and
+        # random tables would grow or shrink it toward inf or denormals, whose assists
+        # would then be what is timed.
+        angle = torch.rand(tokens, DIM) * 6.28
+        cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
         block = prefix + 256
         pools = [torch.zeros(KV_HEADS, seqs * block, DIM, dtype=torch.bfloat16) for _ in "kv"]
         slots = torch.tensor([s * block + prefix + i for s in range(seqs) for i in range(new)])

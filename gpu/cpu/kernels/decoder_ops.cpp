@@ -32,10 +32,11 @@ namespace {
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// Rows per task: ~1M elements. Decode batches (and short prefills) stay on the calling
-// thread: on a shared host a parallel region can wait a whole time slice for a
-// descheduled thread, for work of microseconds.
-inline int64_t grain(int64_t width) { return std::max<int64_t>(1, (1 << 20) / width); }
+// Rows per task: ~8K elements, so a decode batch of a few dozen rows splits over two
+// threads (at::parallel_for splits a range evenly over the threads the grain allows).
+// Single rows, and the few rows of a small batch, stay on the calling thread, where
+// the fork and join would cost more than the work.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, (1 << 13) / width); }
 
 // Vector loops for both dtypes (lanes.h); the scalar loops finish each row's tail.
 #ifdef LANES_VECTORS

@@ -15,7 +15,9 @@
 // Each pass prefetches the next block's rows while it works on one (see for_each_run).
 // Two passes instead of an online softmax: K and V live in separate pools anyway, so
 // each is streamed once either way, and the exp runs over whole rows the compiler
-// vectorises. Everything accumulates in fp32; bf16 is widened on load.
+// vectorises. Everything accumulates in fp32; bf16 is widened on load. A bf16 q over bf16
+// pools on a host with AVX-512 BF16 takes paged_decode_bf16.h's two passes instead (the
+// products on vdpbf16ps, the next task's keys fetched during this one's values).
 //
 // Layout: k_cache/v_cache [num_kv_heads, num_slots, head_dim], slot = block *
 // block_size + offset; q [B, num_heads, head_dim] (any row/head stride, dim
@@ -30,10 +32,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
 #include "paged.h"
+#include "paged_decode_bf16.h"
 #include "reduce.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -154,15 +158,35 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         std::fill(o, o + G * D, T(0.f));
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = q_ptr + b * q_row + (h * G + g) * q_head;
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_float(src[d]) * static_cast<float>(scale);
-      }
       scores.resize(G * len);
       const int32_t* table = tables + b * table_row;
       const KV* k_head = k_ptr + h * num_slots * D;
       const KV* v_head = v_ptr + h * num_slots * D;
+      const T* q_group = q_ptr + b * q_row + h * G * q_head;
+#ifdef PAGED_DECODE_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>) {
+        if (D % 32 == 0) {  // paged_decode_bf16.h
+          paged_bf16::scores_pass(q_group, q_head, k_head, v_head, table, first, n, block_size,
+                                  G, D, static_cast<float>(scale), scores.data(), len);
+          softmax_rows(scores.data(), G, len, sums.data());
+          paged_bf16::Keys next;
+          if (unit + 1 < end) {
+            const int64_t nb = (unit + 1) / KVH, nh = (unit + 1) % KVH;
+            next = {k_ptr + nh * num_slots * D, tables + nb * table_row,
+                    window > 0 ? std::max<int64_t>(0, lens[nb] - window) : 0, lens[nb]};
+          }
+          paged_bf16::values_pass(scores.data(), v_head, table, first, n, block_size, G, D,
+                                  acc.data(), len, next);
+          paged_bf16::finish(acc.data(), sums.data(), G, D, o);
+          continue;
+        }
+      }
+#endif
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q_group + g * q_head;
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = to_float(src[d]) * static_cast<float>(scale);
+      }
       scores_pass(qf.data(), k_head, table, first, n, block_size, G, D, scores.data(), len);
       // The first value run arrives while the softmax runs (for_each_run fetches the rest).
       const int64_t first_slot = static_cast<int64_t>(table[first / block_size]) * block_size;

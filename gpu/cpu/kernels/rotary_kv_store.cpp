@@ -50,6 +50,16 @@ inline void store(const T* src, KV* dst, int64_t n) {
   }
 }
 
+// Asks for the lines of n values at p to come into the cache, to be written.
+template <typename KV>
+inline void prefetch_for_write(const KV* p, int64_t n) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(KV)); o += 64)
+    _mm_prefetch(bytes + o, _MM_HINT_ET0);
+#endif
+}
+
 // One head rotated from `src` into `dst` (they may be the same row: each pair is read
 // before either half is written), computed in T and stored as KV. `cos` and `sin` are
 // the token's tables, in T or already widened to float (C): the same values either way.
@@ -117,11 +127,20 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
   const int64_t q_tok = q.stride(0), q_head = q.stride(1), k_tok = k.stride(0),
                 k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
   const int64_t pool_head = num_slots * dim;
-  // Rotation costs more per byte than a norm's loop, so long prefills split at ~64K
-  // elements a task; decode batches stay on the calling thread (decoder_ops.cpp's grain).
-  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 16) / ((heads + kv_heads) * dim)),
+  // ~8K elements a task (decoder_ops.cpp's grain): a decode batch of a few dozen tokens
+  // splits over two threads, a handful of tokens stays on the calling thread.
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 13) / ((heads + kv_heads) * dim)),
                    [&](int64_t begin, int64_t end) {
     float wide[2][kMaxWidened];  // cos and sin widened, when T is bfloat16
+    // The task's pool rows, asked for up front (for writing): each is in a page of its
+    // own, cold since the step before, so one at a time each store would wait on its own
+    // miss; asked together, the misses overlap while the rotation runs.
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        prefetch_for_write(kc + h * pool_head + slot[t] * dim, dim);
+        prefetch_for_write(vc + h * pool_head + slot[t] * dim, dim);
+      }
+    }
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * cs;
       const T* s = sp + t * ss;
