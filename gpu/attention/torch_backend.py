@@ -118,8 +118,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.prefills_on_amx = (capabilities.amx and capabilities.has("paged_prefill_amx_")
                                 and head_dim % 32 == 0)
         # bf16 decode rows sharing a prefix of blocks: cascade attention on the tile unit.
-        self.cascades = (capabilities.amx and capabilities.has("cascade_decode_amx_")
-                         and head_dim % 32 == 0)
+        self.cascade_built = (capabilities.amx and capabilities.has("cascade_decode_amx_")
+                              and head_dim % 32 == 0)
+        self.cascades = self.cascade_built  # tests and benchmarks compare with it off
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
