@@ -27,8 +27,10 @@ from gpu.cpu.kernels.build import cpu_kernels
 BLOCK, KV_HEADS, GROUP, HEAD_DIM = 16, 3, 3, 64
 # (rows, shared prefix tokens, own tokens per row): the chat load first
 SHAPES = [(16, 768, 96), (16, 768, 64), (16, 768, 128), (4, 768, 96), (8, 768, 96),
-          (32, 768, 96), (16, 256, 96), (16, 2048, 96), (2, 256, 96), (4, 128, 96),
-          (16, 128, 96), (2, 768, 96)]
+          (32, 768, 96), (16, 256, 96), (16, 2048, 96), (16, 128, 96),
+          # where it stops paying (gpu/attention/shared_prefix.py's MIN_ROWS, MIN_TOKENS)
+          (2, 768, 96), (3, 768, 96), (4, 256, 96), (8, 256, 96), (4, 128, 96),
+          (2, 256, 96)]
 
 
 def step(rows: int, prefix: int, own: int):

@@ -169,11 +169,13 @@ def test_shared_prefix_is_found_where_it_pays() -> None:
     found = find_shared_prefix(table(mixed), [340] * 7, 16, min_rows=4, min_tokens=256)
     assert found.tokens == 320 and found.rows.tolist() == [0, 1, 2, 3, 4]
     assert found.others.tolist() == [5, 6]
-    # Too few rows, or too short a prefix: none.
+    # Too few rows, too short a prefix, or too few reads saved: none.
     assert find_shared_prefix(table(chat[:3]), [340] * 3, 16, min_rows=4) is None
     assert find_shared_prefix(table(chat), [340] * 5, 16, min_tokens=400) is None
-    assert find_shared_prefix(table(mixed[4:]), [340] * 3, 16, min_rows=2, min_tokens=0) \
-        .tokens == 3 * 16
+    assert find_shared_prefix(table(chat[:3]), [340] * 3, 16, min_rows=3,
+                              min_saved=641) is None
+    assert find_shared_prefix(table(mixed[4:]), [340] * 3, 16, min_rows=2, min_tokens=0,
+                              min_saved=0).tokens == 3 * 16
 
 
 @needs_amx

@@ -21,8 +21,10 @@ import torch
 
 # Below these the per-row kernel is as fast (benchmarks/cpu_cascade_ab.py): the tile
 # unit's fixed costs (packing the prefix, the merge) need the prefix read by several rows.
-MIN_ROWS = 4
+# MIN_SAVED: keys (per KV head) that the rows after the first no longer read.
+MIN_ROWS = 3
 MIN_TOKENS = 256
+MIN_SAVED = 1024
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,12 @@ class SharedPrefix:
 
 
 def find_shared_prefix(tables: torch.Tensor, context_lens: list[int], block_size: int,
-                       min_rows: int = MIN_ROWS,
-                       min_tokens: int = MIN_TOKENS) -> SharedPrefix | None:
-    """The longest-paying prefix of blocks shared by at least `min_rows` rows of `tables`
-    ([B, blocks] int32, one decode row each), or None. Among lengths, the one that saves
-    the most reads: (rows sharing it - 1) x its length."""
+                       min_rows: int = MIN_ROWS, min_tokens: int = MIN_TOKENS,
+                       min_saved: int = MIN_SAVED) -> SharedPrefix | None:
+    """The prefix of blocks shared by at least `min_rows` rows of `tables` ([B, blocks]
+    int32, one decode row each) that saves the most reads, (rows sharing it - 1) x its
+    length, if that is at least `min_saved` tokens and it at least `min_tokens`; else
+    None."""
     if len(context_lens) < min_rows:
         return None
     first = tables[:, 0].tolist()
@@ -47,10 +50,10 @@ def find_shared_prefix(tables: torch.Tensor, context_lens: list[int], block_size
     ref = first.index(block)
     matched = (tables == tables[ref]).int().cumprod(1).sum(1).tolist()
     shared = [min(m, (n - 1) // block_size) for m, n in zip(matched, context_lens, strict=True)]
-    best, best_gain = 0, 0
+    best, best_gain = 0, min_saved - 1
     for length in set(shared):
         rows = sum(s >= length for s in shared)
-        gain = (rows - 1) * length
+        gain = (rows - 1) * length * block_size
         if length * block_size >= min_tokens and rows >= min_rows and gain > best_gain:
             best, best_gain = length, gain
     if best == 0:

@@ -1,8 +1,8 @@
 // The tile-unit pieces of the bf16 attention kernels (paged_prefill_amx.cpp,
 // cascade_decode_amx.cpp): the tile configuration, packing keys and values into the
 // tile unit's B layout (kt [D/2][L] words, each a key's dims 2i, 2i+1; vp [L/2][D]
-// words, each a dim of keys 2j, 2j+1), the two matmuls, and the row softmax that
-// rounds p to bf16.
+// words, each a dim of keys 2j, 2j+1), the two matmuls, and the prefill's row softmax
+// that rounds p to bf16.
 //
 // Tiles (all 16 rows x 64 bytes): p·v (and q·kᵀ at other D) in `matmul`: C 0-3 (up to
 // four 16 x 16 fp32 results), A 4, B 6-7; q·kᵀ at D = 64 or 128 in `matmul_held_b`: the
@@ -207,11 +207,10 @@ inline __m512 exp2_nonpositive(__m512 t) {
 }
 
 // p [W] bf16 = the softmax numerators of s [W] * scale over [lo, hi), 0 elsewhere;
-// returns their fp32 sum, and the largest score seen in *top when asked (a cascade's
-// partial results are merged by their log-sum-exp). Two passes (max; exp, sum and bf16), lane masks only where a
+// returns their fp32 sum. Two passes (max; exp, sum and bf16), lane masks only where a
 // chunk straddles lo or hi, four running maxima so the max is not one long chain.
 inline float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, float scale,
-                         uint16_t* p, float* top_out = nullptr) {
+                         uint16_t* p) {
   using lanes::Vec;
   const __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   auto seen = [&](int64_t j) -> __mmask16 {  // lanes j + l with lo <= j + l < hi
@@ -231,7 +230,6 @@ inline float softmax_row(const float* s, int64_t W, int64_t lo, int64_t hi, floa
   for (; j < to; j += kTile) m[0] = lanes::max_where(seen(j), m[0], lanes::load(s + j));
   const float top = lanes::max_lanes(_mm512_max_ps(_mm512_max_ps(m[0], m[1]),
                                                    _mm512_max_ps(m[2], m[3])));
-  if (top_out) *top_out = top;
   // e^(scale (s - max)) = 2^(s log2(e) scale - max log2(e) scale): one FMA a lane; lanes
   // not seen may exceed the max (even to inf) and are zeroed after.
   const float k = scale * 1.44269504088896341f;

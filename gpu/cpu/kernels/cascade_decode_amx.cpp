@@ -87,11 +87,27 @@ void suffix_scores(const float* qf, const BFloat16* k, const int32_t* table, int
   });
 }
 
+// 2^t for t <= 0 to about 1 ulp of fp32: t = n + f with n an integer and |f| <= 1/2, 2^f by
+// its Taylor series to degree 6 (the next term is below 2e-7 of it), scalef multiplying
+// by 2^n (0 far below the row's maximum). amx_attention.h's exp2_nonpositive stops at
+// degree 4, enough for p rounded once to bf16, not for p split in two (below).
+inline __m512 exp2_fine(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393e-4f);                 // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));  // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // p [W] = the softmax numerators of s [W] * scale over [0, len), 0 after, as two bf16
 // rows: hi = p rounded to bf16, lo = the rest rounded to bf16, so that p·v on the tile
 // unit as hi·v + lo·v carries p to about 16 significant bits (v is bf16, each product
-// exact in fp32) where p rounded once to bf16 would keep 8 and move greedy ids. The
-// exponential is fast_exp.h's (about 1 ulp of fp32), as paged_decode.cpp's. Returns
+// exact in fp32) where p rounded once to bf16 would keep 8 and move greedy ids. Returns
 // the fp32 sum of p; the largest score in *top.
 float softmax_split(const float* s, int64_t W, int64_t len, float scale, uint16_t* hi,
                     uint16_t* lo, float* top) {
@@ -101,14 +117,16 @@ float softmax_split(const float* s, int64_t W, int64_t len, float scale, uint16_
   float m = _mm512_reduce_max_ps(mv);
   for (; j < len; ++j) m = std::max(m, s[j]);
   *top = m;
-  const __m512 sc = _mm512_set1_ps(scale), mb = _mm512_set1_ps(m);
+  // e^(scale (s - m)) = 2^(s k - m k), k = scale log2(e): one FMA a lane.
+  const float k = scale * 1.44269504088896341f;
+  const __m512 sc = _mm512_set1_ps(k), shift = _mm512_set1_ps(-m * k);
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j < W; j += 16) {
     const __mmask16 seen = j + 16 <= len ? 0xFFFF
                            : j >= len    ? 0
                                          : static_cast<__mmask16>((1u << (len - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(
-        seen, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + j), mb), sc)));
+    const __m512 t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(seen, s + j), sc, shift);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp2_fine(_mm512_min_ps(t, _mm512_setzero_ps())));
     sum = _mm512_add_ps(sum, e);
     const __m256bh h = _mm512_cvtneps_pbh(e);
     const __m512 rest = _mm512_sub_ps(e, _mm512_cvtpbh_ps(h));
@@ -181,7 +199,7 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         const int64_t c0 = c * chunk, c1 = std::min(prefix, c0 + chunk);
         const int64_t L = (c1 - c0 + kChunk - 1) / kChunk * kChunk;
         grow(qa, M * D);
-        grow(p, 2 * M * L);
+        grow(p, 2 * M * L + kChunk);
         grow(packed, 2 * L * D);
         grow(s, M * L);
         uint32_t* kt = reinterpret_cast<uint32_t*>(packed.data());
@@ -202,7 +220,7 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         else
           matmul(qa.data(), D, kt, L, M, L, D, s.data(), L);
         const int64_t at = at_part(c, h);
-        uint16_t* p_lo = p.data() + M * L;
+        uint16_t* p_lo = p.data() + M * L + kChunk;  // 64 bytes off hi's 4 KB alignment
         for (int64_t r = 0; r < M; ++r) {
           uint16_t* pr = p.data() + r * L;
           if (r >= R * G) {
@@ -251,29 +269,29 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     _tile_release();
   });
 
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(P);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t i = unit / KVH, h = unit % KVH;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-        for (int64_t c = 0; c < P; ++c) top = std::max(top, part_m[at_part(c, h) + r]);
-        for (int64_t c = 0; c < P; ++c) {
-          w[c] = std::exp(part_m[at_part(c, h) + r] - top);
-          total += w[c] * part_s[at_part(c, h) + r];
-        }
-        BFloat16* dst = out_ptr + rows[i] * out.stride(0) + (h * G + g) * out.stride(1);
-        for (int64_t d = 0; d < D; d += 16) {
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t c = 0; c < P; ++c)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(w[c]),
-                                _mm512_loadu_ps(part_o.data() + (at_part(c, h) + r) * D + d), a);
-          lanes::store16(dst + d, _mm512_mul_ps(a, _mm512_set1_ps(1.f / total)));
-        }
+  // The merge, on this thread: a few vectors per (row, query head), less than waking the
+  // threads again would cost.
+  std::vector<float> w(P);
+  for (int64_t unit = 0; unit < R * KVH; ++unit) {
+    const int64_t i = unit / KVH, h = unit % KVH;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t c = 0; c < P; ++c) top = std::max(top, part_m[at_part(c, h) + r]);
+      for (int64_t c = 0; c < P; ++c) {
+        w[c] = std::exp(part_m[at_part(c, h) + r] - top);
+        total += w[c] * part_s[at_part(c, h) + r];
+      }
+      BFloat16* dst = out_ptr + rows[i] * out.stride(0) + (h * G + g) * out.stride(1);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < P; ++c)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(w[c]),
+                              _mm512_loadu_ps(part_o.data() + (at_part(c, h) + r) * D + d), a);
+        lanes::store16(dst + d, _mm512_mul_ps(a, _mm512_set1_ps(1.f / total)));
       }
     }
-  });
+  }
 }
 
 void cascade_decode_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
