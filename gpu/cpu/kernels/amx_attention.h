@@ -77,10 +77,13 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Packs one (sequence, KV head): kt [D/2][L] and vp [L/2][D] words (see the top).
+// Packs one (sequence, KV head): kt [D/2][L] and vp [L/2][D] words (see the top). While
+// one group of 16 keys is transposed, the next group's keys are fetched into L1 and this
+// group's values into L2: each group may be another block, where the hardware
+// prefetcher starts over.
 inline void pack(const uint16_t* k_pool, const uint16_t* v_pool, const int32_t* table,
-          int64_t first, int64_t n, int64_t block_size, int64_t D, int64_t L, uint32_t* kt,
-          uint16_t* vp) {
+                 int64_t first, int64_t n, int64_t block_size, int64_t D, int64_t L,
+                 uint32_t* kt, uint16_t* vp) {
   const int64_t len = n - first;
   auto row = [&](const uint16_t* pool, int64_t t) {
     return pool + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * D;
@@ -90,6 +93,16 @@ inline void pack(const uint16_t* k_pool, const uint16_t* v_pool, const int32_t* 
     const uint16_t* keys[kTile];
     for (int64_t jj = 0; jj < kTile; ++jj)
       keys[jj] = j0 + jj < len ? row(k_pool, first + j0 + jj) : nullptr;
+    for (int64_t jj = 0; jj < kTile; ++jj) {
+      const int64_t next = j0 + kTile + jj;
+      for (int64_t o = 0; o < 2 * D; o += 64) {
+        if (next < len)
+          _mm_prefetch(reinterpret_cast<const char*>(row(k_pool, first + next)) + o, _MM_HINT_T0);
+        if (j0 + jj < len)
+          _mm_prefetch(reinterpret_cast<const char*>(row(v_pool, first + j0 + jj)) + o,
+                       _MM_HINT_T1);
+      }
+    }
     for (int64_t i0 = 0; i0 < D / 2; i0 += kTile) {
       for (int64_t jj = 0; jj < kTile; ++jj)
         r[jj] = keys[jj] ? _mm512_loadu_si512(keys[jj] + 2 * i0) : _mm512_setzero_si512();
@@ -108,7 +121,7 @@ inline void pack(const uint16_t* k_pool, const uint16_t* v_pool, const int32_t* 
 // c [M][N] fp32 (row stride ldc floats) = a [M][K] bf16 (row stride lda) · b, where b is
 // K/2 word rows of N columns (row stride ldb words); M, N multiples of 16, K of 32.
 inline void matmul(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t M,
-            int64_t N, int64_t K, float* c, int64_t ldc) {
+                   int64_t N, int64_t K, float* c, int64_t ldc) {
   for (int64_t m = 0; m < M; m += kTile) {
     for (int64_t n0 = 0; n0 < N; n0 += 4 * kTile) {
       const int64_t tiles = std::min<int64_t>(4, (N - n0) / kTile);
@@ -147,7 +160,7 @@ inline void matmul(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ld
 // A 1-3): a column block's B tiles are held in 4-7 while every m-tile passes under them,
 // so b, the larger operand, is read once rather than M/16 times.
 inline void matmul_held_b(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                   int64_t M, int64_t N, int64_t K, float* c, int64_t ldc) {
+                          int64_t M, int64_t N, int64_t K, float* c, int64_t ldc) {
   if (K == 2 * kChunk) {
     for (int64_t n0 = 0; n0 < N; n0 += 2 * kTile) {
       _tile_loadd(4, b + n0, ldb * 4);

@@ -138,8 +138,11 @@ float softmax_split(const float* s, int64_t W, int64_t len, float scale, uint16_
 
 // Softmax numerators of one row of `len` scores in place; returns (max, sum).
 std::pair<float, float> suffix_softmax(float* s, int64_t len) {
-  float m = s[0];
-  for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+  float m = _mm512_reduce_max_ps(mv);
+  for (; j < len; ++j) m = std::max(m, s[j]);
   const __m512 mb = _mm512_set1_ps(m);
   __m512 sv = _mm512_setzero_ps();
   int64_t t = 0;
