@@ -14,6 +14,8 @@ prefill kernel does, so the tolerance is that of tests/test_cpu_prefill_amx.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -211,3 +213,41 @@ def test_backend_decodes_shared_prefix_rows_by_cascade(window) -> None:
         torch.testing.assert_close(outs[True], outs[False], atol=ATOL, rtol=RTOL)
     else:
         assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("amx,dtype,head_dim,window,expected", [
+    (True, torch.bfloat16, 64, None, ["cascade_decode_amx_", "paged_decode"]),
+    (True, torch.bfloat16, 64, 32, ["paged_decode"]),
+    (True, torch.float32, 64, None, ["paged_decode"]),
+    (True, torch.bfloat16, 48, None, ["paged_decode"]),
+    (False, torch.bfloat16, 64, None, ["paged_decode"]),
+])
+def test_backend_takes_cascade_only_where_it_applies(amx, dtype, head_dim, window,
+                                                     expected) -> None:
+    """Which decode kernels run is decided from the capabilities, the dtype and the
+    window alone (a recording stand-in for the library, so this runs on any host): rows
+    sharing the prefix by cascade, the row that does not by the per-row kernel."""
+    calls = []
+    ops = ("paged_decode", "paged_prefill_", "paged_prefill_amx_", "cascade_decode_amx_")
+
+    def recorder(name):
+        def op(*args):
+            calls.append(name)
+            return torch.zeros(args[0].shape, dtype=args[0].dtype)
+        return op
+
+    kernels = SimpleNamespace(**{name: recorder(name) for name in ops})
+    caps = CpuCapabilities(isa="avx512", amx=amx, ops=frozenset(ops), kernels=kernels)
+    backend = TorchAttentionBackend(9, 3, head_dim, 16, kernels=caps)
+    q, k_pool, v_pool, tables, lens = make_step(20, [5, 30, 17, 64, 1], [100], 16, 3, 3, 64)
+    q = torch.zeros(q.shape[0], 9, head_dim, dtype=dtype)
+    rows = len(lens)
+    inputs = AttentionInputs(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32), context_lens=lens,
+        block_tables=tables, max_query_len=1, max_context_len=int(lens.max()),
+        query_lens_list=[1] * rows, context_lens_list=lens.tolist())
+    nothing = torch.zeros(0, 3, head_dim, dtype=dtype)
+    pool = torch.zeros(3, k_pool.shape[1], head_dim, dtype=dtype)
+    backend.forward(q, nothing, nothing, pool, pool, backend.prepare(inputs), window)
+    assert calls == expected
