@@ -187,7 +187,16 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   // Partials: C chunks then the suffix, each [KVH][M][D] (row r of head h: row r / G of
   // `rows`, query head h * G + r % G) with their maxima and sums [KVH][M], in log units.
   const int64_t P = C + 1;
-  std::vector<float> part_o(P * KVH * M * D), part_m(P * KVH * M), part_s(P * KVH * M);
+  // Kept between calls on the calling thread (every value read is written first): a
+  // call's partials are then not fresh pages.
+  // (Pointers: a thread_local named inside the workers' lambda would be each worker's own.)
+  thread_local std::vector<float> o_buf, m_buf, s_buf;
+  grow(o_buf, P * KVH * M * D);
+  grow(m_buf, P * KVH * M);
+  grow(s_buf, P * KVH * M);
+  float* const part_o = o_buf.data();
+  float* const part_m = m_buf.data();
+  float* const part_s = s_buf.data();
   auto at_part = [&](int64_t c, int64_t h) { return (c * KVH + h) * M; };
 
   const int64_t prefix_units = KVH * C, units = prefix_units + R * KVH;
@@ -236,7 +245,7 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
                                          p_lo + r * L, &top);
           part_m[at + r] = top * fscale;
         }
-        float* o = part_o.data() + at * D;
+        float* o = part_o + at * D;
         grow(o_lo, M * D);
         matmul(p.data(), L, reinterpret_cast<const uint32_t*>(vp), D, M, D, L, o, D);
         matmul(p_lo, L, reinterpret_cast<const uint32_t*>(vp), D, M, D, L, o_lo.data(), D);
@@ -266,7 +275,7 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         }
         paged::values_pass(s.data(), v_head, table, prefix, n, block_size, G, D, acc.data(),
                            len, 1);
-        std::copy(acc.data(), acc.data() + G * D, part_o.data() + at * D);
+        std::copy(acc.data(), acc.data() + G * D, part_o + at * D);
       }
     }
     _tile_release();
@@ -290,7 +299,7 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         __m512 a = _mm512_setzero_ps();
         for (int64_t c = 0; c < P; ++c)
           a = _mm512_fmadd_ps(_mm512_set1_ps(w[c]),
-                              _mm512_loadu_ps(part_o.data() + (at_part(c, h) + r) * D + d), a);
+                              _mm512_loadu_ps(part_o + (at_part(c, h) + r) * D + d), a);
         lanes::store16(dst + d, _mm512_mul_ps(a, _mm512_set1_ps(1.f / total)));
       }
     }
