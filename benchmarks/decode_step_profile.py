@@ -1,7 +1,7 @@
 """Where a decode step goes at a given batch: SmolLM2 offline, one step timed and profiled.
 
     python benchmarks/decode_step_profile.py [--dtype auto] [--batch 1,32] [--prompt 128]
-        [--steps 40]
+        [--steps 40] [--shared-prefix 0] [--cascade-ab 0]
 
 For each batch size: that many requests of PROMPT random tokens, prefilled and run ten
 steps, then STEPS decode steps timed one by one (the median is printed: the engine's
@@ -10,6 +10,12 @@ the model thread (where the step runs: a profiler started on the caller's thread
 none of it) and torch.profiler's table by self time, with the host's CPU and ISA. The
 gap between the step and the table's total per step is what no op accounts for: Python
 between the ops, the engine's host work.
+
+`--shared-prefix N` puts the same N random tokens before every request's PROMPT (a chat's
+system prompt), run once first so that the prefix cache holds it and the batch's block
+tables share its blocks. `--cascade-ab R` then times R runs each with cascade decode
+attention (gpu/attention/shared_prefix.py) on and off, alternated, before the profiled
+run (cascade on).
 """
 
 from __future__ import annotations
@@ -32,10 +38,23 @@ def main() -> None:
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--shared-prefix", type=int, default=0)
+    ap.add_argument("--cascade-ab", type=int, default=0)
     a = ap.parse_args()
     engine = LLM(dtype=a.dtype).engine
     rng = random.Random(0)
     runs = 0
+    prefix = [rng.randrange(100, 40000) for _ in range(a.shared_prefix)]
+    if prefix:  # into the prefix cache
+        engine.add_request("prefix", prefix + [100], SamplingParams(max_tokens=1))
+        while engine.has_work:
+            engine.step()
+
+    def cascade(on: bool) -> None:
+        def set_on(runner) -> None:
+            if hasattr(runner.backend, "cascades"):
+                runner.backend.cascades = on and runner.backend.cascade_built
+        engine.worker.call(set_on).result()
 
     def run(batch: int, prof: profile | None = None) -> list[float]:
         """Seconds of each of `a.steps` decode steps of `batch` requests."""
@@ -43,7 +62,7 @@ def main() -> None:
         runs += 1
         params = SamplingParams(max_tokens=a.steps + 10, temperature=0, ignore_eos=True)
         for i in range(batch):
-            prompt = [rng.randrange(100, 40000) for _ in range(a.prompt)]
+            prompt = prefix + [rng.randrange(100, 40000) for _ in range(a.prompt)]
             engine.add_request(f"r{runs}-{i}", prompt, params)
         for _ in range(10):  # the prefill, then decode steps to warm every path
             engine.step()
@@ -63,6 +82,17 @@ def main() -> None:
     print(describe())
     for batch in (int(b) for b in a.batch.split(",")):
         run(batch)
+        if a.cascade_ab:
+            laps: dict[bool, list[float]] = {True: [], False: []}
+            for rep in range(a.cascade_ab):
+                for on in ((True, False) if rep % 2 == 0 else (False, True)):
+                    cascade(on)
+                    laps[on].append(statistics.median(run(batch)))
+            cascade(True)
+            on, off = (statistics.median(laps[k]) * 1e3 for k in (True, False))
+            print(f"batch {batch}, shared prefix {a.shared_prefix} + prompt {a.prompt}: "
+                  f"step with cascade {on:.2f} ms, without {off:.2f} ms, ratio "
+                  f"{on / off:.3f} (medians of {a.cascade_ab} runs each, alternated)")
         step = statistics.median(run(batch))
         prof = profile(activities=[ProfilerActivity.CPU])
         run(batch, prof)

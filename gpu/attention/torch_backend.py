@@ -17,6 +17,11 @@ prefill rows (several new tokens).
   gather below copies every context's K/V once per layer, and that copy dominates a
   step at long contexts. Otherwise two batched matmuls with the query heads of each
   KV head stacked (GQA without repeating K/V); CPU SDPA is slow for one query token.
+  Decode rows of a bf16 model whose block tables start with the same blocks (a shared
+  system prompt under prefix caching) take cascade attention on a CPU with AMX
+  (`cascade_decode_amx.cpp`): the shared blocks once for all of them on the tile unit,
+  each row's own keys after them, merged exactly; found once per step in `prepare()`
+  (`shared_prefix.py`), not where a sliding window applies.
 - Prefill rows: with the C++ kernels, one call reads the pool in place too
   (`paged_prefill.cpp`): after a cached prefix the new tokens are few and the keys many,
   and the gather and masked SDPA below copy every cached key and value of the group once
@@ -42,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend, AttentionInputs
+from gpu.attention.shared_prefix import SharedPrefix, find_shared_prefix
 from gpu.cpu.capabilities import CpuCapabilities
 from models.rope import apply_rotary
 
@@ -62,6 +68,7 @@ class _Group:
     context_lens: torch.Tensor  # [B] int32
     query_starts: torch.Tensor  # [B] int32: each sequence's first row in the step
     query_lens: torch.Tensor  # [B] int32
+    shared: SharedPrefix | None = None  # decode rows sharing a prefix of blocks
     _bias: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -110,6 +117,10 @@ class TorchAttentionBackend(AttentionBackend):
         # bf16 prefill on the tile unit where the CPU has AMX (paged_prefill_amx.cpp).
         self.prefills_on_amx = (capabilities.amx and capabilities.has("paged_prefill_amx_")
                                 and head_dim % 32 == 0)
+        # bf16 decode rows sharing a prefix of blocks: cascade attention on the tile unit.
+        self.cascade_built = (capabilities.amx and capabilities.has("cascade_decode_amx_")
+                              and head_dim % 32 == 0)
+        self.cascades = self.cascade_built  # tests and benchmarks compare with it off
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
@@ -143,10 +154,14 @@ class TorchAttentionBackend(AttentionBackend):
         allowed = pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
         identity = q_max == 1 and len(seqs) == len(inputs.query_lens_list)
         tables = inputs.block_tables[idx, :num_blocks].to(torch.int32).contiguous()
+        shared = None
+        if self.cascades and q_max == 1:
+            shared = find_shared_prefix(tables, [inputs.context_lens_list[i] for i in seqs],
+                                        self.block_size)
         return _Group(query_rows, key_blocks.flatten(), allowed, query_pos, query_rows[valid],
                       valid, len(seqs), q_max, l_max, identity, tables,
                       inputs.context_lens[idx].to(torch.int32).contiguous(),
-                      starts.to(torch.int32), qlens.to(torch.int32))
+                      starts.to(torch.int32), qlens.to(torch.int32), shared)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):
@@ -188,6 +203,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, g: _Group, window: int | None):
         """q [B, H, D] → [B, 1, H, D]: the C++ kernel over the pool in place when built,
         else a block gather and two batched matmuls."""
+        if (g.shared is not None and window is None
+                and q.dtype == k_cache.dtype == torch.bfloat16):
+            return self._cascade(q, k_cache, v_cache, g, g.shared)
         if self.kernels is not None and q.dtype in self.KERNEL_DTYPES:
             return self.kernels.paged_decode(
                 q, k_cache, v_cache, g.block_tables, g.context_lens, self.block_size,
@@ -204,6 +222,20 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.bmm(probs, v.view(kvh * b, length, d))  # [KVH*B, G, D]
         return o.view(kvh, b, group, d).transpose(0, 1).reshape(b, 1, self.num_heads, d)
+
+    def _cascade(self, q, k_cache, v_cache, g: _Group, shared: SharedPrefix):
+        """q [B, H, D] → [B, 1, H, D]: the rows sharing the prefix in one cascade call, the
+        others (if any) with the per-row kernel."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.kernels.cascade_decode_amx_(out, q, k_cache, v_cache, g.block_tables,
+                                         g.context_lens, shared.rows, shared.tokens,
+                                         self.block_size, self.scale)
+        if shared.others is not None:
+            rest = shared.others
+            out[rest] = self.kernels.paged_decode(
+                q[rest], k_cache, v_cache, g.block_tables[rest], g.context_lens[rest],
+                self.block_size, self.scale, 0)
+        return out.unsqueeze(1)
 
     def _prefill(self, q, k, v, allowed):
         """q [B, Q, H, D], k/v [KVH, B, L, D] → [B, Q, H, D]."""
