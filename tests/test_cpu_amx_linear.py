@@ -104,7 +104,7 @@ def test_packed_linear_routes_rows_by_count():
 
 def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
     """Wired, not only built: pack_linears gives every Q4_1 layer of the bf16 model the
-    AMX rows, and leaves the Q8_0 LM head to oneDNN past its one widened row."""
+    AMX rows, and the Q8_0 LM head its own past its one widened row."""
     from models.config import ModelConfig
     from models.decoder import DecoderForCausalLM
     from models.weights import iter_safetensors
@@ -119,4 +119,5 @@ def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
               if isinstance(m, PackedLinear) and name != "lm_head"]
     assert len(layers) == 4 * cfg.num_layers
     assert all(m.amx_rows == AMX_ROWS["q4_1"] for m in layers)
-    assert model.lm_head.amx_rows is None and model.lm_head.quantized_max_rows == 1
+    assert model.lm_head.amx_rows == AMX_ROWS["q8_0"]
+    assert model.lm_head.quantized_max_rows == AMX_ROWS["q8_0"].start - 1

@@ -28,6 +28,7 @@ OPS = (
     "paged_decode", "paged_prefill_", "paged_prefill_amx_", "rotary_kv_store_",
     "rms_norm", "add_rms_norm_", "silu_and_mul",
     "q4_1_linear", "q8_0_linear", "q4_1_linear_int8", "q8_0_linear_int8", "q4_1_linear_amx",
+    "q8_0_linear_amx",
     "q4_1_dequantize", "q8_0_dequantize",
     "argmax_rows", "sample_rows", "apply_penalties_", "apply_token_bitmask_",
     "lora_delta_",

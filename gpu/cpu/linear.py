@@ -78,9 +78,9 @@ class PackedLinear(nn.Module):
     bf16): the layer multiplies in float32, bf16 in and bf16 out, as a bf16 matmul does
     (products accumulated in float32, the sum rounded once). Its float32 weight is the
     checkpoint's: the GGUF blocks' exact values where it has them (the same values as the
-    blocks' own calls), else the bf16 weight widened. `amx`: a bf16 layer's Q4_1 blocks
-    on the tile unit where the capabilities have it. `pack_linears` decides both from the
-    `CpuCapabilities`; a layer built directly takes neither unless asked."""
+    blocks' own calls), else the bf16 weight widened. `amx`: a bf16 layer's Q4_1 or
+    Q8_0 blocks on the tile unit where the capabilities have it. `pack_linears` decides
+    both from the `CpuCapabilities`; a layer built directly takes neither unless asked."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
@@ -323,8 +323,9 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         else:
             how = (" (multiplied in float32: this CPU has no bfloat16 arithmetic)"
                    if widen and dtype == "bfloat16" else "")
-            tiles = (f", {on_amx} of those on AMX for calls of {AMX_ROWS['q4_1'].start}-"
-                     f"{AMX_ROWS['q4_1'].stop - 1} rows" if on_amx else "")
+            spans = ", ".join(f"{fmt} {r.start}-{r.stop - 1}" for fmt, r in AMX_ROWS.items())
+            tiles = (f", {on_amx} of those on AMX for calls of these rows: {spans}"
+                     if on_amx else "")
             log.info("packed %d %s linear weights for oneDNN%s, %d of them also read from "
                      "their quantized blocks for calls of few rows%s (%+.2f GiB)", count, dtype,
                      how, used, tiles, extra / 2**30)
