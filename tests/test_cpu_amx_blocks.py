@@ -1,7 +1,8 @@
-"""Both AMX block kernels (`gpu/cpu/kernels/quant_linear_amx.cpp`: Q4_1 layers, the Q8_0
-LM head) against torch on the dequantized weights rounded to bf16 (the bf16 checkpoint's),
-over every row count a call can bring (1..70: one tile, two, a second pass past 32 rows),
-an N that leaves the last panel partial, and x read in place from a wider tensor.
+"""Both AMX block kernels (`quant_linear_amx_table.cpp`: Q4_1 layers;
+`quant_linear_amx.cpp`: the Q8_0 LM head) against torch on the dequantized weights
+rounded to bf16 (the bf16 checkpoint's), over every row count a call can bring (1..70:
+one tile, two, a second pass past 32 rows), an N that leaves the last panel partial,
+and x read in place from a wider tensor.
 
 The kernel's products are those of the bf16 weights with fp32 sums, so its result is the
 fp32 product rounded to bf16 up to the summation order. Runs only where the kernels were
@@ -15,7 +16,7 @@ import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import AMX_ROWS, PackedLinear
-from gpu.cpu.panel_blocks import PanelBlocks
+from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
 from models.gguf_blocks import QuantizedWeight
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
@@ -37,8 +38,11 @@ def blocks(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
 
 
 def amx(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
-    op = getattr(KERNELS, f"{q.format}_linear_amx")
-    return op(x, *PanelBlocks.of(q).tensors, q.out_features)
+    blocks = PanelBlocks.of(q)
+    if q.format == "q4_1":
+        return KERNELS.q4_1_linear_amx(x, amx_levels(blocks), *blocks.tensors[1:],
+                                       q.out_features)
+    return KERNELS.q8_0_linear_amx(x, *blocks.tensors, q.out_features)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -103,3 +107,14 @@ def test_the_q8_0_head_routes_rows_by_count():
             packed = torch.ops.mkldnn._linear_pointwise(x, head.packed, None, "none", [None],
                                                         "")
             assert torch.equal(got, packed), rows
+
+
+def test_amx_levels_hold_each_outputs_bytes_of_a_block_in_a_row():
+    q = blocks("q4_1", 40, 64, seed=2)  # two panels, the second partial
+    levels = amx_levels(PanelBlocks.of(q))
+    assert levels.shape == (2, 2, 32, 16)
+    rows = q.qweight.view(40, 2, 16)  # GGUF order: output, block, its 16 bytes
+    for n in range(40):
+        for b in range(2):
+            assert torch.equal(levels[n // 32, b, n % 32], rows[n, b]), (n, b)
+    assert not levels[1, :, 8:].any()  # the padding outputs

@@ -14,7 +14,7 @@ import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import AMX_ROWS, PackedLinear, pack_linears
-from gpu.cpu.panel_blocks import PanelBlocks
+from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight
 
@@ -36,7 +36,8 @@ def q4_1(n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
 
 
 def amx(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
-    return KERNELS.q4_1_linear_amx(x, *PanelBlocks.of(q).tensors, q.out_features)
+    blocks = PanelBlocks.of(q)
+    return KERNELS.q4_1_linear_amx(x, amx_levels(blocks), *blocks.tensors[1:], q.out_features)
 
 
 @pytest.mark.parametrize("n,k", [(96, 576), (100, 576), (40, 1536)])

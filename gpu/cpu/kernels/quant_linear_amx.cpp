@@ -1,24 +1,25 @@
-// x @ W.T for a bf16 model on AMX, straight from a GGUF's Q4_1 or Q8_0 blocks:
+// x @ W.T for a bf16 model's Q8_0 LM head on AMX, straight from the GGUF's blocks:
 // bf16 x in, bf16 out, the products of bf16 values summed in fp32 by the tile unit.
 //
 // Why: on a CPU with AMX, oneDNN's packed bf16 matmul is fast at many rows, but every
 // call streams the whole bf16 weight (2 bytes a weight) whatever the rows, so decode
-// steps of a few to a few dozen rows wait on memory. The blocks are ~0.75 (Q4_1, with
-// its fp32 scales and mins) and ~1.1 (Q8_0) bytes a weight. Each block of 32 outputs x
-// 32 k is dequantized once per call into the tile unit's pair layout (2 KB of bf16), a
-// few blocks ahead of the tile products that read it, its bytes prefetched further
-// ahead still: into a ring of slots in L1 when one pass of at most 32 x rows covers the
-// call, else two panels' worth in L2, the later passes of a panel (x rows 33-64) reading
-// what the first one widened. The row counts this path takes per format:
-// gpu/cpu/routing.py (`AMX_ROWS`).
+// steps of a few to a few dozen rows wait on memory; the head's Q8_0 blocks are ~1.1
+// bytes a weight. Each block of 32 outputs x 32 k is dequantized once per call into the
+// tile unit's pair layout (2 KB of bf16), a few blocks ahead of the tile products that
+// read it, its bytes prefetched further ahead still: into a ring of slots in L1 when
+// one pass of at most 32 x rows covers the call, else two panels' worth in L2, the later
+// passes of a panel (x rows 33-64) reading what the first one widened. A Q8_0 block has
+// 256 levels, too many for the table lookup of the Q4_1 layers
+// (quant_linear_amx_table.cpp). The row counts this path takes: gpu/cpu/routing.py
+// (`AMX_ROWS`).
 //
 // Exactness: each weight is dequantized as quant_blocks.h does (the float32 checkpoint's
 // value) and rounded to bf16 to nearest even, as the bf16 checkpoint rounded it, so the
 // products are oneDNN's on the bf16 weights; only the summation order differs.
 //
 // Layout: the tile unit multiplies pairs of k (its B operand holds, per row r and output
-// n, the weights of k = 2r and 2r + 1). A Q4_1 block pairs k = j with k = j + 16 in one
-// byte, so the kernel pairs them the same way (Q8_0's too, to share the code) and
+// n, the weights of k = 2r and 2r + 1). quant_blocks.h widens k = j with k = j + 16 (a
+// Q4_1 byte's pairing, which Q8_0's widening shares), so the kernel pairs them so and
 // permutes x to match once per call: x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1] =
 // x[32b + j + 16]. A dot product does not care in which order k comes.
 //
@@ -34,7 +35,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <vector>
 
 #include "amx.h"
@@ -128,11 +128,6 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
-inline void prefetch_block(const Q4_1& w, int64_t g) {
-  prefetch_lines(w.qs + g * 16 * kPanel, 16 * kPanel);
-  prefetch_lines(w.d + g * kPanel, kPanel * 4);
-  prefetch_lines(w.m + g * kPanel, kPanel * 4);
-}
 inline void prefetch_block(const Q8_0& w, int64_t g) {
   prefetch_lines(w.qs + g * kBlock * kPanel, kBlock * kPanel);
   prefetch_lines(w.d + g * kPanel, kPanel * 4);
@@ -207,7 +202,7 @@ void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   });
 }
 
-// The checks both ops share: x, and a weight of `panels` panels (K = `k`) holding N.
+// x, and a weight of `panels` panels (K = `K`) holding N.
 void check_call(const char* op, const at::Tensor& x, int64_t panels, int64_t K, int64_t N) {
   TORCH_CHECK(permitted(), op, ": Linux refused this process the AMX state");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, op,
@@ -218,29 +213,11 @@ void check_call(const char* op, const at::Tensor& x, int64_t panels, int64_t K, 
               " does not fill ", panels, " panels of 32 outputs");
 }
 
-void check_scales(const char* op, std::initializer_list<const at::Tensor*> ts, int64_t panels,
-                  int64_t K) {
-  for (const at::Tensor* t : ts)
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
-                op, ": scales (and mins) must be contiguous float32 [panels, K/32, 32]");
-}
-
-at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
-                           const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
-  const char* op = "q4_1_linear_amx";
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 &&
-                  qweight.is_contiguous() && qweight.size(2) == 16 && qweight.size(3) == kPanel,
-              op, ": qweight must be contiguous uint8 [panels, K/32, 16, 32]");
-  const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
-  check_scales(op, {&scales, &mins}, panels, K);
-  check_call(op, x, panels, K, N);
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0) return out;
-  const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-               mins.const_data_ptr<float>(), K};
-  amx_linear(w, x, N, out);
-  return out;
+void check_scales(const char* op, const at::Tensor& scales, int64_t panels, int64_t K) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == panels &&
+                  scales.size(1) == K / kBlock && scales.size(2) == kPanel,
+              op, ": scales must be contiguous float32 [panels, K/32, 32]");
 }
 
 at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
@@ -251,7 +228,7 @@ at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
                   qweight.size(3) == kPanel,
               op, ": qweight must be contiguous int8 [panels, K/32, 32, 32]");
   const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
-  check_scales(op, {&scales}, panels, K);
+  check_scales(op, scales, panels, K);
   check_call(op, x, panels, K, N);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
@@ -264,8 +241,6 @@ at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
 
 // Registered only where AMX was compiled in: callers look the ops up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("q4_1_linear_amx(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
-  m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_amx));
   m.def("q8_0_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q8_0_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_amx));
   m.def("amx_usable() -> bool", &amx::permitted);
