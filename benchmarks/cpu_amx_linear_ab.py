@@ -1,5 +1,6 @@
 """Paired A/B of a bf16 model's linears on a CPU with AMX: oneDNN's packed bf16 weight, the
-GGUF's blocks on the tile unit (`quant_linear_amx.cpp`: Q4_1 layers, the Q8_0 LM head) and
+GGUF's blocks on the tile unit (Q4_1 layers: `quant_linear_amx_table.cpp`; the Q8_0 LM
+head: `quant_linear_amx.cpp`) and
 the blocks widened to float32 (`quant_linear.cpp`, the route of the fewest rows), per row
 count, in one process, interleaved, so host noise hits all alike.
 
@@ -25,7 +26,7 @@ from cpu_quant_linear_ab import LAYERS, SHAPES, random_weight
 from host import describe
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.panel_blocks import PanelBlocks
+from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
 from models.gguf_blocks import QuantizedWeight
 
 VARIANTS = ("packed", "amx", "blocks")
@@ -38,15 +39,17 @@ def build(kernels) -> dict[str, dict[str, list]]:
         model[name] = {v: [] for v in VARIANTS}
         for _ in range(1 if name == "lm_head" else LAYERS):
             q, w = random_weight(n, k, fmt)
-            blocks = (*PanelBlocks.of(QuantizedWeight(fmt, *q, *(None,) * (3 - len(q)))).tensors,
-                      n)
+            panels = PanelBlocks.of(QuantizedWeight(fmt, *q, *(None,) * (3 - len(q))))
+            blocks = (*panels.tensors, n)
+            tiles = ((amx_levels(panels), *panels.tensors[1:], n) if fmt == "q4_1"
+                     else blocks)
             packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
             model[name]["packed"].append(
                 lambda x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
                                                                        [None], ""))
-            for v, op in (("amx", getattr(kernels, f"{fmt}_linear_amx")),
-                          ("blocks", getattr(kernels, f"{fmt}_linear"))):
-                model[name][v].append(lambda x, q=blocks, op=op: op(x, *q))
+            for v, op, args in (("amx", getattr(kernels, f"{fmt}_linear_amx"), tiles),
+                                ("blocks", getattr(kernels, f"{fmt}_linear"), blocks)):
+                model[name][v].append(lambda x, q=args, op=op: op(x, *q))
             model[name]["weight"] = w.bfloat16()  # the last copy's, for the check
     return model
 
