@@ -19,8 +19,11 @@
 // Layout: `levels` [panels][K/32][32][16] uint8, per panel and block each output's 16
 // bytes in a row (byte j: k = j in the low nibble, k = j + 16 in the high one), the
 // panel layout's bytes transposed (gpu/cpu/panel_blocks.py `amx_levels`); scales and
-// mins in the panel layout. So a lookup's index is one output's bytes widened to words,
-// the high nibbles shifted down: words 0-15 hold k = 0..15, 16-31 k = 16..31.
+// mins in the panel layout. A lookup's index is one output's bytes spread to words, byte
+// j's nibbles side by side: the tile unit's k pair r is k = r and k = r + 16, and x is
+// permuted to match as it is transposed (x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1] =
+// x[32b + j + 16]), the pairing of quant_linear_amx.cpp, so both kernels sum a product
+// in the same order.
 //
 // Tiles (all 8): C 0-3 (outputs 0-15 and 16-31 x two x tiles of up to 16 rows), A 4-5
 // (the two output halves' weights, one block), B 6-7 (the two x tiles' k pairs).
@@ -84,17 +87,30 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
+// Word i of a k pair's 32 words from word kPairs[i]: k = j and k = j + 16 side by side.
+alignas(64) constexpr uint16_t kPairs[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                             21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                             11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+// Byte 2i of a lookup's index from level byte i / 2 (odd bytes zeroed by the mask).
+alignas(64) constexpr uint8_t kSpread[64] = {
+    0, 0, 0, 0, 1, 0, 1, 0, 2, 0, 2, 0, 3, 0, 3, 0, 4, 0, 4, 0, 5, 0, 5, 0,
+    6, 0, 6, 0, 7, 0, 7, 0, 8, 0, 8, 0, 9, 0, 9, 0, 10, 0, 10, 0, 11, 0, 11, 0,
+    12, 0, 12, 0, 13, 0, 13, 0, 14, 0, 14, 0, 15, 0, 15, 0};
+
 // x [M, K] bf16 (row stride xs) as B tiles: per x tile t and block b, 16 rows (the k
-// pairs 2r, 2r + 1) of 16 columns (the tile's x rows; zeros past M), 1 KB each.
+// pairs r and r + 16 of the block) of 16 columns (the tile's x rows; zeros past M),
+// 1 KB each.
 std::vector<uint32_t> transposed_x(const c10::BFloat16* x, int64_t M, int64_t xs, int64_t K) {
   const int64_t tiles = (M + kTile - 1) / kTile, blocks = K / kBlock;
+  const __m512i pairs = _mm512_load_si512(kPairs);
   std::vector<uint32_t> out(tiles * blocks * kTile * kTile);
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t b = 0; b < blocks; ++b) {
       __m512 r[16];
       for (int i = 0; i < kTile; ++i) {
         const int64_t row = t * kTile + i;
-        r[i] = row < M ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + row * xs + b * kBlock))
+        r[i] = row < M ? (__m512)_mm512_permutexvar_epi16(
+                             pairs, _mm512_loadu_si512(x + row * xs + b * kBlock))
                        : _mm512_setzero_ps();
       }
       transpose16(r);
@@ -108,19 +124,25 @@ std::vector<uint32_t> transposed_x(const c10::BFloat16* x, int64_t M, int64_t xs
 // `q`: their 16 bytes each in a row; `d`, `m`: their scales and mins.
 inline void widen16(const uint8_t* q, const float* d, const float* m, uint16_t* out) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // Words 16-31 (the high nibbles) shifted down by 4; the low 4 bits kept, and bit 4
-  // choosing the second output's half of the table.
-  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  // Word 2r holds byte r's low nibble (k = r), word 2r + 1 its high one (k = r + 16),
+  // shifted down; the low 4 bits kept, and bit 4 choosing the second output's half of
+  // the table.
+  const __m512i spread = _mm512_load_si512(kSpread);
+  const __m512i shifts = _mm512_set1_epi32(4 << 16);
   const __m512i nibble = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(0x10);
+  constexpr __mmask64 kLow = 0x5555555555555555ull;
   for (int n = 0; n < kTile; n += 2) {
     const __m512 t0 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n]), _mm512_set1_ps(m[n]));
     const __m512 t1 =
         _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n + 1]), _mm512_set1_ps(m[n + 1]));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  // n in 0-15, n + 1 in 16-31
-    const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * 16))));
-    const __m512i b1 = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + 1) * 16))));
+    const __m512i b0 = _mm512_maskz_permutexvar_epi8(
+        kLow, spread,
+        _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * 16))));
+    const __m512i b1 = _mm512_maskz_permutexvar_epi8(
+        kLow, spread,
+        _mm512_castsi128_si512(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + 1) * 16))));
     const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(b0, shifts), nibble);
     const __m512i i1 =
         _mm512_ternarylogic_epi32(_mm512_srlv_epi16(b1, shifts), nibble, second, 0xEA);
