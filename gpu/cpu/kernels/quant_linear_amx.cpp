@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -92,11 +93,12 @@ inline void dequantize_block(const W& w, int64_t p, int64_t b, uint16_t* out) {
 }
 
 // x [M, K] bf16 (row stride xs) with each block's k paired as B pairs them (see above).
-std::vector<uint16_t> paired_x(const c10::BFloat16* x, int64_t M, int64_t xs, int64_t K) {
-  std::vector<uint16_t> out(M * K);
+std::unique_ptr<uint16_t[]> paired_x(const c10::BFloat16* x, int64_t M, int64_t xs,
+                                     int64_t K) {
+  std::unique_ptr<uint16_t[]> out(new uint16_t[M * K]);  // every word written below
   for (int64_t i = 0; i < M; ++i)
     for (int64_t k = 0; k < K; k += kBlock)
-      _mm512_storeu_si512(out.data() + i * K + k,
+      _mm512_storeu_si512(out.get() + i * K + k,
                           interleaved(_mm512_loadu_si512(x + i * xs + k)));
   return out;
 }
@@ -136,7 +138,7 @@ inline void prefetch_block(const Q8_0& w, int64_t g) {
 template <typename W>
 void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
   const int64_t M = x.size(0), K = w.K, blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
-  const std::vector<uint16_t> xp =
+  const std::unique_ptr<uint16_t[]> xp =
       paired_x(x.const_data_ptr<c10::BFloat16>(), M, x.stride(0), K);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   // Slot of block t (counted over a thread's panels): a ring when one pass covers the
@@ -174,7 +176,7 @@ void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
           _tile_zero(2);
           _tile_zero(3);
         }
-        const uint16_t* a = xp.data() + m0 * K;
+        const uint16_t* a = xp.get() + m0 * K;
         for (int64_t b = 0; b < blocks; ++b) {
           if (m0 == 0) widen(t0 + b + ahead);
           const uint16_t* bb = buf + ((t0 + b) % ring) * kSlot;

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -100,10 +101,12 @@ alignas(64) constexpr uint8_t kSpread[64] = {
 // x [M, K] bf16 (row stride xs) as B tiles: per x tile t and block b, 16 rows (the k
 // pairs r and r + 16 of the block) of 16 columns (the tile's x rows; zeros past M),
 // 1 KB each.
-std::vector<uint32_t> transposed_x(const c10::BFloat16* x, int64_t M, int64_t xs, int64_t K) {
+std::unique_ptr<uint32_t[]> transposed_x(const c10::BFloat16* x, int64_t M, int64_t xs,
+                                         int64_t K) {
   const int64_t tiles = (M + kTile - 1) / kTile, blocks = K / kBlock;
   const __m512i pairs = _mm512_load_si512(kPairs);
-  std::vector<uint32_t> out(tiles * blocks * kTile * kTile);
+  // Every word is written below: no fill (new[] of ints leaves them as they are).
+  std::unique_ptr<uint32_t[]> out(new uint32_t[tiles * blocks * kTile * kTile]);
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t b = 0; b < blocks; ++b) {
       __m512 r[16];
@@ -114,7 +117,7 @@ std::vector<uint32_t> transposed_x(const c10::BFloat16* x, int64_t M, int64_t xs
                        : _mm512_setzero_ps();
       }
       transpose16(r);
-      float* dst = reinterpret_cast<float*>(out.data() + (t * blocks + b) * kTile * kTile);
+      float* dst = reinterpret_cast<float*>(out.get() + (t * blocks + b) * kTile * kTile);
       for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(dst + i * kTile, r[i]);
     }
   return out;
@@ -176,7 +179,7 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
                 int64_t K, int64_t N, at::Tensor& out) {
   const int64_t M = x.size(0), blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const int64_t tiles = (M + kTile - 1) / kTile;
-  const std::vector<uint32_t> xt =
+  const std::unique_ptr<uint32_t[]> xt =
       transposed_x(x.const_data_ptr<c10::BFloat16>(), M, x.stride(0), K);
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   constexpr int64_t kSlot = kPanel * 32;  // one block's A tiles (uint16)
@@ -185,7 +188,8 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
   const int64_t ring = tiles <= 2 ? 4 : blocks;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint16_t> storage;  // kept between calls: no fill per call
-    if (storage.size() < static_cast<size_t>(ring * kSlot + 32)) storage.resize(ring * kSlot + 32);
+    const size_t need = ring * kSlot + 32;
+    if (storage.size() < need) storage.resize(need);
     uint16_t* buf = reinterpret_cast<uint16_t*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
     alignas(64) float acc[kPanel][kPanel];  // [output][x row] of two x tiles
@@ -194,7 +198,8 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
       const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
       for (int64_t t = 0; t < tiles; t += 2) {
         const int r0 = static_cast<int>(std::min<int64_t>(kTile, M - t * kTile));
-        const int r1 = t + 1 < tiles ? static_cast<int>(std::min<int64_t>(kTile, M - (t + 1) * kTile)) : 0;
+        const int r1 =
+            t + 1 < tiles ? static_cast<int>(std::min<int64_t>(kTile, M - (t + 1) * kTile)) : 0;
         if (configured != r0 * 32 + r1) {
           configure(r0, r1);
           configured = r0 * 32 + r1;
@@ -216,11 +221,11 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
           }
           _tile_loadd(4, a, 64);
           _tile_loadd(5, a + 16 * 32, 64);
-          _tile_loadd(6, xt.data() + (t * blocks + b) * kTile * kTile, 64);
+          _tile_loadd(6, xt.get() + (t * blocks + b) * kTile * kTile, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 5, 6);
           if (r1) {
-            _tile_loadd(7, xt.data() + ((t + 1) * blocks + b) * kTile * kTile, 64);
+            _tile_loadd(7, xt.get() + ((t + 1) * blocks + b) * kTile * kTile, 64);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
           }
