@@ -14,7 +14,7 @@ import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import AMX_ROWS, PackedLinear, pack_linears
-from gpu.cpu.panel_blocks import PanelBlocks
+from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight
 
@@ -36,7 +36,8 @@ def q4_1(n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
 
 
 def amx(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
-    return KERNELS.q4_1_linear_amx(x, *PanelBlocks.of(q).tensors, q.out_features)
+    blocks = PanelBlocks.of(q)
+    return KERNELS.q4_1_linear_amx(x, amx_levels(blocks), *blocks.tensors[1:], q.out_features)
 
 
 @pytest.mark.parametrize("n,k", [(96, 576), (100, 576), (40, 1536)])
@@ -104,7 +105,7 @@ def test_packed_linear_routes_rows_by_count():
 
 def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
     """Wired, not only built: pack_linears gives every Q4_1 layer of the bf16 model the
-    AMX rows, and leaves the Q8_0 LM head to oneDNN past its one widened row."""
+    AMX rows, and the Q8_0 LM head its own past its one widened row."""
     from models.config import ModelConfig
     from models.decoder import DecoderForCausalLM
     from models.weights import iter_safetensors
@@ -119,4 +120,5 @@ def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
               if isinstance(m, PackedLinear) and name != "lm_head"]
     assert len(layers) == 4 * cfg.num_layers
     assert all(m.amx_rows == AMX_ROWS["q4_1"] for m in layers)
-    assert model.lm_head.amx_rows is None and model.lm_head.quantized_max_rows == 1
+    assert model.lm_head.amx_rows == AMX_ROWS["q8_0"]
+    assert model.lm_head.quantized_max_rows == AMX_ROWS["q8_0"].start - 1

@@ -13,7 +13,7 @@ from gpu.cpu.routing import LinearLayer, LinearShape, Route, choose_route, plan_
 
 F32, BF16 = torch.float32, torch.bfloat16
 WITH_AMX = frozenset(OPS)
-NO_AMX = WITH_AMX - {"q4_1_linear_amx"}
+NO_AMX = WITH_AMX - {"q4_1_linear_amx", "q8_0_linear_amx"}
 
 # A Xeon with AMX; an AVX-512 CPU with AVX512-BF16 (Zen 4-like); an AVX-512 one without
 # bf16 arithmetic; an AVX2 one; a build with portable loops only; no C++ kernels at all.
@@ -71,14 +71,20 @@ TABLE = [
     (AVX512_BF16, BF16, "q8_0", False, 1, B),
     (AVX512_BF16, BF16, "q8_0", False, 2, PACKED),
     (AVX512_BF16, BF16, None, False, 1, PACKED),
-    # ... and with AMX: the tile unit for Q4_1's middle rows.
+    (AVX512_BF16, BF16, "q4_1", True, 1, B),  # int8 needs a float32 multiply
+    # ... and with AMX: the tile unit for the middle rows, the Q8_0 LM head's from two.
     (AMX, BF16, "q4_1", False, 1, DOT),  # one row: the bf16 dot-product kernel
     (AMX, BF16, "q4_1", False, 2, B),
     (AMX, BF16, "q4_1", False, 3, AMX_),
     (AMX, BF16, "q4_1", False, 64, AMX_),
     (AMX, BF16, "q4_1", False, 65, PACKED),
     (AMX, BF16, "q8_0", False, 1, B),
-    (AMX, BF16, "q8_0", False, 3, PACKED),
+    (AMX, BF16, "q8_0", False, 2, AMX_),
+    (AMX, BF16, "q8_0", False, 64, AMX_),
+    (AMX, BF16, "q8_0", False, 65, PACKED),
+    (AMX, F32, "q8_0", False, 48, B),  # a float32 head: never the tile unit
+    (dataclasses.replace(AMX, ops=WITH_AMX - {"q8_0_linear_amx"}), BF16, "q8_0", False, 2,
+     PACKED),  # a library without the Q8_0 op: oneDNN past the widened row
     # bf16 without bf16 arithmetic: widened, float32's thresholds.
     (AVX2, BF16, "q4_1", False, 96, B),
     (AVX2, BF16, "q4_1", False, 97, WIDE),

@@ -40,7 +40,7 @@ from torch import nn
 
 from gpu.cpu import routing
 from gpu.cpu.capabilities import CpuCapabilities, onednn
-from gpu.cpu.panel_blocks import PanelBlocks, dequantized
+from gpu.cpu.panel_blocks import PanelBlocks, amx_levels, dequantized
 from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, plan_routes
 from gpu.roofline import QuantizedReads
 from models.gguf_blocks import QuantizedWeight
@@ -78,9 +78,9 @@ class PackedLinear(nn.Module):
     bf16): the layer multiplies in float32, bf16 in and bf16 out, as a bf16 matmul does
     (products accumulated in float32, the sum rounded once). Its float32 weight is the
     checkpoint's: the GGUF blocks' exact values where it has them (the same values as the
-    blocks' own calls), else the bf16 weight widened. `amx`: a bf16 layer's Q4_1 blocks
-    on the tile unit where the capabilities have it. `pack_linears` decides both from the
-    `CpuCapabilities`; a layer built directly takes neither unless asked."""
+    blocks' own calls), else the bf16 weight widened. `amx`: a bf16 layer's Q4_1 or
+    Q8_0 blocks on the tile unit where the capabilities have it. `pack_linears` decides
+    both from the `CpuCapabilities`; a layer built directly takes neither unless asked."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
@@ -107,7 +107,8 @@ class PackedLinear(nn.Module):
             weight = (float32 if float32 is not None
                       else dequantized(quantized, capabilities) if quantized is not None
                       else weight.float())
-        self.quantized = PanelBlocks.of(quantized) if plan.blocks else None
+        self.quantized = (PanelBlocks.of(quantized)
+                          if plan.blocks or plan.amx_rows is not None else None)
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
                        if plan.packed else None)
         suffix = "_int8" if plan.blocks_route == Route.BLOCKS_INT8 else ""
@@ -128,6 +129,12 @@ class PackedLinear(nn.Module):
         # The op's block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
+        # The Q4_1 AMX kernel reads each output's levels in a row (`amx_levels`), a copy
+        # beside the panels the widened blocks read; Q8_0's reads the panels.
+        self.amx_levels = (amx_levels(self.quantized)
+                           if plan.amx_rows is not None and quantized.format == "q4_1" else None)
+        self._amx_args = (self._quantized_args if self.amx_levels is None
+                          else (self.amx_levels, *self.quantized.tensors[1:], self.out_features))
         # Few rows without blocks: the plain weight, in the calls' dtype (a bf16 one
         # streams half the bytes, and torch's one-row bf16 product is as fast as fp32's).
         self.plain = (None if not plan.plain_below else narrow if self.widen else weight)
@@ -141,11 +148,13 @@ class PackedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer holds: packed copy, blocks (and their dot-product pairs),
-        plain weight."""
+        """Bytes this layer holds: packed copy, blocks (with their dot-product pairs and
+        their AMX copy), plain weight."""
         packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
         blocks = 0 if self.quantized is None else self.quantized.nbytes
         blocks += self._dot_args[0].numel() * 4 if self._dot_args else 0
+        if self.amx_levels is not None:
+            blocks += self.amx_levels.numel()
         plain = 0 if self.plain is None else self.plain.numel() * self.plain.element_size()
         return packed + blocks + plain
 
@@ -158,7 +167,7 @@ class PackedLinear(nn.Module):
             out = self._blocks(x.reshape(rows, self.in_features))
             return out.view(*x.shape[:-1], self.out_features)
         if self.amx_rows is not None and rows in self.amx_rows:
-            out = self._amx_op(x.reshape(rows, self.in_features), *self._quantized_args)
+            out = self._amx_op(x.reshape(rows, self.in_features), *self._amx_args)
             return out.view(*x.shape[:-1], self.out_features)
         if rows < self._plain_below:
             return F.linear(x, self.plain)
@@ -335,8 +344,9 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         else:
             how = (" (multiplied in float32: this CPU has no bfloat16 arithmetic)"
                    if widen and dtype == "bfloat16" else "")
-            tiles = (f", {on_amx} of those on AMX for calls of {AMX_ROWS['q4_1'].start}-"
-                     f"{AMX_ROWS['q4_1'].stop - 1} rows" if on_amx else "")
+            spans = ", ".join(f"{fmt} {r.start}-{r.stop - 1}" for fmt, r in AMX_ROWS.items())
+            tiles = (f", {on_amx} of those on AMX for calls of these rows: {spans}"
+                     if on_amx else "")
             log.info("packed %d %s linear weights for oneDNN%s, %d of them also read from "
                      "their quantized blocks for calls of few rows%s (%+.2f GiB)", count, dtype,
                      how, used, tiles, extra / 2**30)

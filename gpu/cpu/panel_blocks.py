@@ -70,6 +70,15 @@ class PanelBlocks:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+def amx_levels(blocks: PanelBlocks) -> torch.Tensor:
+    """Q4_1 panels' level bytes with each output's 16 bytes of a block in a row
+    ([panels, K/32, 32, 16]), as the AMX kernel looks its weights up
+    (`quant_linear_amx_table.cpp`): the panel layout's bytes, transposed per block."""
+    if blocks.format != "q4_1":
+        raise ValueError(f"amx_levels reads Q4_1 blocks, got {blocks.format}")
+    return blocks.tensors[0].transpose(2, 3).contiguous()
+
+
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:
     """The float32 weight `q`'s blocks encode, bit for bit as `QuantizedWeight.dequantize`
     gives it: through the C++ kernels' one parallel pass where they are built

@@ -18,9 +18,10 @@ The routes, in the order a call tries them:
   binds one row; from two rows its dot products cost more than `blocks`' FMAs.
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
   every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
-- `amx`: a bf16 model's Q4_1 blocks on the AMX tile unit (`quant_linear_amx.cpp`), for
-  a middle range of rows where the tile unit beats both the widened blocks (below) and
-  oneDNN's packed bf16 (above, where it runs at the same rate without the dequantizing).
+- `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
+  (`quant_linear_amx.cpp`), for a middle range of rows where the tile unit beats both
+  the widened blocks (below) and oneDNN's packed bf16 (above, where it runs at the same
+  rate without the dequantizing).
 - `plain`: `F.linear` on the unpacked weight. oneDNN's packing pays for itself from a
   few rows; for one to three rows the plain fp32 weight streams straight from memory.
 - `packed`: oneDNN's packed weight, in the model's dtype.
@@ -52,9 +53,10 @@ QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}
 # bf16 weight whatever the rows. Only AVX-512 builds: an AVX2 CPU has no bf16
 # arithmetic, and there every bf16 layer is widened.
 BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
-# bf16 with AMX: Q4_1 calls of these many rows run on the tile unit, and the widened
-# blocks keep only the calls below; above, oneDNN's packed bf16 is as fast or faster.
-AMX_ROWS = {"q4_1": range(3, 65)}
+# bf16 with AMX: calls of these many rows run on the tile unit, and the widened blocks
+# keep only the calls below; above, oneDNN's packed bf16 is as fast or faster. The Q8_0
+# LM head sees as many rows as the step has sequences (a prefill's last tokens too).
+AMX_ROWS = {"q4_1": range(3, 65), "q8_0": range(2, 65)}
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
 BF16_DOT_MAX_ROWS = {"q4_1": 1}
