@@ -71,7 +71,7 @@ TABLE = [
     (AVX512_BF16, BF16, "q8_0", False, 1, B),
     (AVX512_BF16, BF16, "q8_0", False, 2, PACKED),
     (AVX512_BF16, BF16, None, False, 1, PACKED),
-    (AVX512_BF16, BF16, "q4_1", True, 1, B),  # int8 needs a float32 multiply
+    (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply: exact
     # ... and with AMX: the tile unit for the middle rows, the Q8_0 LM head's from two.
     (AMX, BF16, "q4_1", False, 1, DOT),  # one row: the bf16 dot-product kernel
     (AMX, BF16, "q4_1", False, 2, B),
