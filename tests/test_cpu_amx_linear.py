@@ -120,5 +120,9 @@ def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
               if isinstance(m, PackedLinear) and name != "lm_head"]
     assert len(layers) == 4 * cfg.num_layers
     assert all(m.amx_rows == AMX_ROWS["q4_1"] for m in layers)
+    # The Q4_1 kernel reads its own copy of the levels, the same bytes in another order.
+    assert all(m.amx_levels is not None and m.amx_levels.numel() == m.quantized.tensors[0].numel()
+               for m in layers)
+    assert model.lm_head.amx_levels is None
     assert model.lm_head.amx_rows == AMX_ROWS["q8_0"]
     assert model.lm_head.quantized_max_rows == AMX_ROWS["q8_0"].start - 1

@@ -76,12 +76,12 @@ TABLE = [
     (AMX, BF16, "q4_1", False, 1, DOT),  # one row: the bf16 dot-product kernel
     (AMX, BF16, "q4_1", False, 2, B),
     (AMX, BF16, "q4_1", False, 3, AMX_),
-    (AMX, BF16, "q4_1", False, 64, AMX_),
-    (AMX, BF16, "q4_1", False, 65, PACKED),
+    (AMX, BF16, "q4_1", False, 128, AMX_),
+    (AMX, BF16, "q4_1", False, 129, PACKED),
     (AMX, BF16, "q8_0", False, 1, B),
     (AMX, BF16, "q8_0", False, 2, AMX_),
-    (AMX, BF16, "q8_0", False, 64, AMX_),
-    (AMX, BF16, "q8_0", False, 65, PACKED),
+    (AMX, BF16, "q8_0", False, 96, AMX_),
+    (AMX, BF16, "q8_0", False, 97, PACKED),
     (AMX, F32, "q8_0", False, 48, B),  # a float32 head: never the tile unit
     (dataclasses.replace(AMX, ops=WITH_AMX - {"q8_0_linear_amx"}), BF16, "q8_0", False, 2,
      PACKED),  # a library without the Q8_0 op: oneDNN past the widened row

@@ -8,7 +8,7 @@
 // tile unit's pair layout (2 KB of bf16), a few blocks ahead of the tile products that
 // read it, its bytes prefetched further ahead still: into a ring of slots in L1 when
 // one pass of at most 32 x rows covers the call, else two panels' worth in L2, the later
-// passes of a panel (x rows 33-64) reading what the first one widened. A Q8_0 block has
+// passes of a panel (x rows past 32) reading what the first one widened. A Q8_0 block has
 // 256 levels, too many for the table lookup of the Q4_1 layers
 // (quant_linear_amx_table.cpp). The row counts this path takes: gpu/cpu/routing.py
 // (`AMX_ROWS`).
