@@ -17,7 +17,7 @@
 // each is streamed once either way, and the exp runs over whole rows the compiler
 // vectorises. Everything accumulates in fp32; bf16 is widened on load. A bf16 q over bf16
 // pools on a host with AVX-512 BF16 takes paged_decode_bf16.h's two passes instead (the
-// products on vdpbf16ps, the next task's keys fetched during this one's values).
+// products on vdpbf16ps, the reads ahead spread over the work).
 //
 // Layout: k_cache/v_cache [num_kv_heads, num_slots, head_dim], slot = block *
 // block_size + offset; q [B, num_heads, head_dim] (any row/head stride, dim
