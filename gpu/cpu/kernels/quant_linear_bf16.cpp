@@ -60,8 +60,6 @@ alignas(64) constexpr uint16_t kLevels[32] = {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// T rows of x against panel p: xp [T][K/2] packed pairs (row stride K / 2), x_sums
-// [T][K/32]; out: T rows of the panel's outputs (row stride os), `cols` of them real.
 // Each row's sum of q x over NB consecutive blocks (q: the first block's dwords, xr: its
 // x pairs, row stride xs), qx[nb][t][half]. One chain per block, row and output half,
 // k in quant_linear.cpp's order (j, j + 16 for j = 0..15): vdpbf16ps adds its lane's
