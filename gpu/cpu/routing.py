@@ -19,9 +19,9 @@ The routes, in the order a call tries them:
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
   every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
-  (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows where the tile unit beats both
-  the widened blocks (below) and oneDNN's packed bf16 (above, where it runs at the same
-  rate without the dequantizing).
+  (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
+  where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16
+  (above, where it runs at the same rate without the dequantizing).
 - `plain`: `F.linear` on the unpacked weight. oneDNN's packing pays for itself from a
   few rows; for one to three rows the plain fp32 weight streams straight from memory.
 - `packed`: oneDNN's packed weight, in the model's dtype.
