@@ -171,6 +171,7 @@ def test_shared_prefix_is_found_where_it_pays() -> None:
     found = find_shared_prefix(table(mixed), [340] * 7, 16, min_rows=4, min_tokens=256)
     assert found.tokens == 320 and found.rows.tolist() == [0, 1, 2, 3, 4]
     assert found.others.tolist() == [5, 6]
+    assert found.other_tables.tolist() == mixed[5:] and found.other_lens.tolist() == [340] * 2
     # Too few rows, too short a prefix, or too few reads saved: none.
     assert find_shared_prefix(table(chat[:3]), [340] * 3, 16, min_rows=4) is None
     assert find_shared_prefix(table(chat), [340] * 5, 16, min_tokens=400) is None
@@ -178,6 +179,16 @@ def test_shared_prefix_is_found_where_it_pays() -> None:
                               min_saved=641) is None
     assert find_shared_prefix(table(mixed[4:]), [340] * 3, 16, min_rows=2, min_tokens=0,
                               min_saved=0).tokens == 3 * 16
+
+
+def decode_inputs(tables: torch.Tensor, lens: torch.Tensor) -> AttentionInputs:
+    """A decode step's attention inputs: one new token per row, no keys to store."""
+    rows = len(lens)
+    return AttentionInputs(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32), context_lens=lens,
+        block_tables=tables, max_query_len=1, max_context_len=int(lens.max()),
+        query_lens_list=[1] * rows, context_lens_list=lens.tolist())
 
 
 @needs_amx
@@ -189,12 +200,7 @@ def test_backend_decodes_shared_prefix_rows_by_cascade(window) -> None:
     block_size, prefix_blocks = 16, 20
     q, k_pool, v_pool, tables, lens = make_step(prefix_blocks, [5, 30, 17, 64, 1], [200, 33],
                                                 block_size, 3, 3, 64)
-    rows = len(lens)
-    inputs = AttentionInputs(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32), context_lens=lens,
-        block_tables=tables, max_query_len=1, max_context_len=int(lens.max()),
-        query_lens_list=[1] * rows, context_lens_list=lens.tolist())
+    inputs = decode_inputs(tables, lens)
     nothing = torch.zeros(0, 3, 64, dtype=torch.bfloat16)  # no new keys to store
     outs = {}
     for cascades in (True, False):
@@ -241,12 +247,7 @@ def test_backend_takes_cascade_only_where_it_applies(amx, dtype, head_dim, windo
     backend = TorchAttentionBackend(9, 3, head_dim, 16, kernels=caps)
     q, k_pool, v_pool, tables, lens = make_step(20, [5, 30, 17, 64, 1], [100], 16, 3, 3, 64)
     q = torch.zeros(q.shape[0], 9, head_dim, dtype=dtype)
-    rows = len(lens)
-    inputs = AttentionInputs(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32), context_lens=lens,
-        block_tables=tables, max_query_len=1, max_context_len=int(lens.max()),
-        query_lens_list=[1] * rows, context_lens_list=lens.tolist())
+    inputs = decode_inputs(tables, lens)
     nothing = torch.zeros(0, 3, head_dim, dtype=dtype)
     pool = torch.zeros(3, k_pool.shape[1], head_dim, dtype=dtype)
     backend.forward(q, nothing, nothing, pool, pool, backend.prepare(inputs), window)

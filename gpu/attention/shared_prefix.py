@@ -32,6 +32,10 @@ class SharedPrefix:
     rows: torch.Tensor  # [R] int32: rows of the group that share the prefix
     others: torch.Tensor | None  # [B - R] int64: the group's other rows, None if none
     tokens: int  # the prefix's length, whole blocks
+    # The other rows' block tables and context lengths, gathered once for every layer's
+    # per-row kernel call (None with `others`).
+    other_tables: torch.Tensor | None = None
+    other_lens: torch.Tensor | None = None
 
 
 def find_shared_prefix(tables: torch.Tensor, context_lens: list[int], block_size: int,
@@ -60,6 +64,9 @@ def find_shared_prefix(tables: torch.Tensor, context_lens: list[int], block_size
         return None
     rows = [i for i, s in enumerate(shared) if s >= best]
     others = [i for i, s in enumerate(shared) if s < best]
-    return SharedPrefix(torch.tensor(rows, dtype=torch.int32),
-                        torch.tensor(others, dtype=torch.long) if others else None,
-                        best * block_size)
+    if not others:
+        return SharedPrefix(torch.tensor(rows, dtype=torch.int32), None, best * block_size)
+    rest = torch.tensor(others, dtype=torch.long)
+    return SharedPrefix(torch.tensor(rows, dtype=torch.int32), rest, best * block_size,
+                        tables[rest].contiguous(),
+                        torch.tensor([context_lens[i] for i in others], dtype=torch.int32))

@@ -231,9 +231,8 @@ class TorchAttentionBackend(AttentionBackend):
                                          g.context_lens, shared.rows, shared.tokens,
                                          self.block_size, self.scale)
         if shared.others is not None:
-            rest = shared.others
-            out[rest] = self.kernels.paged_decode(
-                q[rest], k_cache, v_cache, g.block_tables[rest], g.context_lens[rest],
+            out[shared.others] = self.kernels.paged_decode(
+                q[shared.others], k_cache, v_cache, shared.other_tables, shared.other_lens,
                 self.block_size, self.scale, 0)
         return out.unsqueeze(1)
 

@@ -119,8 +119,8 @@ class PackedLinear(nn.Module):
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
                         if plan.dot_max_rows else None)
-        # Its levels regrouped for it (the panels' bytes once more: AMX and the float32
-        # kernel read the panels).
+        # Its levels regrouped for it (the panels' bytes once more: the float32 kernel
+        # reads the panels, the Q4_1 AMX kernel its own copy below).
         self._dot_args = ((self.quantized.dot_pairs(), *self.quantized.tensors[1:],
                            self.out_features) if plan.dot_max_rows else ())
         self.amx_rows = plan.amx_rows
@@ -152,9 +152,8 @@ class PackedLinear(nn.Module):
         their AMX copy), plain weight."""
         packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
         blocks = 0 if self.quantized is None else self.quantized.nbytes
-        blocks += self._dot_args[0].numel() * 4 if self._dot_args else 0
-        if self.amx_levels is not None:
-            blocks += self.amx_levels.numel()
+        blocks += self._dot_args[0].nbytes if self._dot_args else 0
+        blocks += self.amx_levels.nbytes if self.amx_levels is not None else 0
         plain = 0 if self.plain is None else self.plain.numel() * self.plain.element_size()
         return packed + blocks + plain
 
