@@ -175,6 +175,9 @@ class DecoderForCausalLM(nn.Module):
         """[T] token ids and positions → [T, hidden] final hidden states."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        fused = self.ops.decode_layers(self, x, rope, ctx)
+        if fused is not None:  # the same kernels in one call, no Python between them
+            return fused
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)

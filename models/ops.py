@@ -29,3 +29,10 @@ class DecoderOps:
         """SiLU(gate) * up for `gate_up` = [gate | up] along the last dim."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def decode_layers(self, model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      ctx) -> torch.Tensor | None:
+        """`model`'s decoder layers and final norm over `x` (its embeddings) in one fused
+        call, where these ops have one for this step (the C++ CPU path's one-user decode:
+        `gpu/cpu/layer_call.py`); None: the model runs its layers."""
+        return None

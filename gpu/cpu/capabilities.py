@@ -32,7 +32,7 @@ OPS = (
     "q4_1_linear_bf16", "q8_0_linear_amx",
     "q4_1_dequantize", "q8_0_dequantize",
     "argmax_rows", "sample_rows", "apply_penalties_", "apply_token_bitmask_",
-    "lora_delta_",
+    "lora_delta_", "decode_layers_bf16",
 )
 
 

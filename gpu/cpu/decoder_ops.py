@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from gpu.cpu.capabilities import CpuCapabilities
+from gpu.cpu.layer_call import LayerCall
 from models.ops import DecoderOps
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -22,7 +23,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 class CpuDecoderOps(DecoderOps):
     def __init__(self, kernels):
         """`kernels`: `CpuCapabilities` with the library loaded, or the library's ops."""
-        self.kernels = CpuCapabilities.of(kernels).kernels  # torch.ops.ridgeline_cpu
+        capabilities = CpuCapabilities.of(kernels)
+        self.kernels = capabilities.kernels  # torch.ops.ridgeline_cpu
+        self._layers_op = capabilities.op("decode_layers_bf16")
+        self.fuses_layers = self._layers_op is not None
+        self.layer_calls = 0
+        self._calls: dict[int, LayerCall | None] = {}  # by id(model), at its first forward
 
     @staticmethod
     def _takes(x: torch.Tensor) -> bool:
@@ -43,3 +49,15 @@ class CpuDecoderOps(DecoderOps):
         if not self._takes(gate_up):
             return super().silu_and_mul(gate_up)
         return self.kernels.silu_and_mul(gate_up)
+
+    def decode_layers(self, model, x, rope, ctx) -> torch.Tensor | None:
+        if not self.fuses_layers:
+            return None
+        key = id(model)
+        if key not in self._calls:
+            self._calls[key] = LayerCall.of(model, self._layers_op)
+        call = self._calls[key]
+        if call is None or not call.applies(x, ctx):
+            return None
+        self.layer_calls += 1
+        return call(x, rope, ctx)

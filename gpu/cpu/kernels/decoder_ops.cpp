@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "entry_points.h"
 #include "fast_exp.h"
 #include "lanes.h"
 
@@ -104,6 +105,10 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
               " takes float32 or bfloat16");
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
@@ -144,6 +149,10 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
   return out;
 }
 
+}  // namespace kernels
+
+namespace {
+
 // SiLU(g) * u = g * u / (1 + exp(-g)), the exp of -|g| (never overflows) on lanes.h's
 // Vec by hand: GCC would not vectorise this loop written plainly (the select around the
 // polynomial exp), and torch's two ops then beat it. Both dtypes take the vector
@@ -179,6 +188,10 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
   });
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: gate_up must be [T, 2 * inter], rows contiguous");
@@ -197,13 +210,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace kernels
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
-  m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(kernels::rms_norm));
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(kernels::silu_and_mul));
+  m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(kernels::add_rms_norm_));
 }

@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "entry_points.h"
 #include "fast_exp.h"
 #include "paged.h"
 #include "paged_decode_bf16.h"
@@ -202,6 +203,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t block_size, double scale,
@@ -238,7 +243,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
-}  // namespace
+}  // namespace kernels
 
 // float32 lanes of the vector paths this library was built with: 16 (AVX-512), 8 (AVX2 with
 // FMA) or 1 (portable loops only). Callers pick thresholds by it, and skip kernels whose
@@ -256,6 +261,6 @@ int64_t vector_width() {
 TORCH_LIBRARY(ridgeline_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, int window) -> Tensor");
-  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(kernels::paged_decode));
   m.def("vector_width() -> int", &vector_width);
 }

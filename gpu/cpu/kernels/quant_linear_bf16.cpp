@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "entry_points.h"
 #include "quant_blocks.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -157,6 +158,10 @@ void pack_x(const at::Tensor& x, std::vector<uint32_t>& xp, std::vector<float>& 
     }
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_bf16";
@@ -202,11 +207,11 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
   return out;
 }
 
-}  // namespace
+}  // namespace kernels
 
 // Registered only where AVX512-BF16 and VBMI were compiled in: callers look it up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear_bf16(Tensor x, Tensor qpairs, Tensor scales, Tensor mins, int N) -> Tensor");
-  m.impl("q4_1_linear_bf16", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_bf16));
+  m.impl("q4_1_linear_bf16", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_bf16));
 }
 #endif

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "entry_points.h"
 #include "lanes.h"
 
 namespace {
@@ -164,6 +165,10 @@ void run(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tens
   });
 }
 
+}  // namespace
+
+namespace kernels {
+
 void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
@@ -203,10 +208,10 @@ void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
-}  // namespace
+}  // namespace kernels
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("rotary_kv_store_(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
-  m.impl("rotary_kv_store_", c10::DispatchKey::CPU, TORCH_FN(rotary_kv_store_));
+  m.impl("rotary_kv_store_", c10::DispatchKey::CPU, TORCH_FN(kernels::rotary_kv_store_));
 }

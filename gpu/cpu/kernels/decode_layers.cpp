@@ -1,0 +1,95 @@
+// A decode step's decoder layers in one call (CPU, a bf16 model, one new token per
+// sequence, every linear on the AVX512-BF16 dot-product kernel): the module path's
+// kernels, called in its order, with no Python between them.
+//
+// Why: at one user a layer is nine kernel calls of a few microseconds each, and in the
+// module path each sits behind nn.Module calls, the linear's routing, the attention
+// backend's per-layer Python and the views and splits between them; over a step's
+// layers that is a large share of the step. Here the same functions run back to back
+// (entry_points.h), so the results are the module path's bit for bit.
+//
+// Per layer (the residual stream carried beside the hidden states, as models/decoder.py):
+//   h = add_rms_norm_(out, residual)       (the first layer: rms_norm of the embeddings)
+//   qkv = linear(h); q, k, v its heads     (views: q is rotated in place)
+//   rotary_kv_store_(q, k, v, cos, sin, pools, slots); o = paged_decode(q, pools)
+//   h = add_rms_norm_(linear(o), residual); out = linear(silu_and_mul(linear(h)))
+// and after the last layer the final norm: add_rms_norm_(out, residual).
+//
+// Arguments: x [T, hidden] the embeddings (becomes the residual stream, updated in place,
+// as in the module path); norms: each layer's input and post-attention weights, then the
+// final norm's; linears: each layer's qkv, o, gate_up and down projections' arguments as
+// gpu/cpu/linear.py's PackedLinear holds them for this kernel (the same count of tensors
+// each), out_features their N; pools and attention metadata as paged_decode takes them.
+// gpu/cpu/layer_call.py decides when this applies and builds the lists once.
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "entry_points.h"
+
+#ifdef KERNELS_Q4_1_LINEAR_BF16
+
+namespace {
+
+constexpr int64_t kLinears = 4;  // qkv, o, gate_up, down
+
+// The one call into the linears' kernel: `args` the linear's tensors as PackedLinear
+// binds them (`_dot_args` without its last item, N).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* args, int64_t n) {
+  return kernels::q4_1_linear_bf16(x, args[0], args[1], args[2], n);
+}
+
+at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              at::TensorList norms, double eps, at::TensorList linears,
+                              at::IntArrayRef out_features, at::TensorList k_caches,
+                              at::TensorList v_caches, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& context_lens,
+                              int64_t block_size, double scale, int64_t num_heads) {
+  const char* op = "decode_layers_bf16";
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
+                  static_cast<int64_t>(out_features.size()) == kLinears * layers &&
+                  linears.size() % (kLinears * layers) == 0 && !linears.empty(),
+              op, ": per layer two norms, ", kLinears, " linears and a K and V pool, "
+              "then the final norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
+              ": x must be contiguous bfloat16 [T, hidden]");
+  const int64_t per = static_cast<int64_t>(linears.size()) / (kLinears * layers);
+  const int64_t T = x.size(0), kv_heads = k_caches[0].size(0), D = k_caches[0].size(2);
+  const int64_t heads = num_heads;
+  at::Tensor& residual = x;
+  at::Tensor h = kernels::rms_norm(x, norms[0], eps);
+  at::Tensor out;  // the previous layer's output, not yet added to the residual stream
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* lin = linears.data() + l * kLinears * per;
+    const int64_t* n = out_features.data() + l * kLinears;
+    if (l > 0) h = kernels::add_rms_norm_(out, residual, norms[2 * l], eps);
+    at::Tensor qkv = linear(h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
+    at::Tensor q = qkv.narrow(1, 0, heads);
+    const at::Tensor k = qkv.narrow(1, heads, kv_heads);
+    const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    kernels::rotary_kv_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
+    const at::Tensor o = kernels::paged_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                               block_size, scale, 0);
+    h = kernels::add_rms_norm_(linear(o.view({T, heads * D}), lin + per, n[1]), residual,
+                               norms[2 * l + 1], eps);
+    out = linear(kernels::silu_and_mul(linear(h, lin + 2 * per, n[2])), lin + 3 * per, n[3]);
+  }
+  return kernels::add_rms_norm_(out, residual, norms[2 * layers], eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
+  m.def("decode_layers_bf16(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, float eps, "
+        "Tensor[] linears, int[] out_features, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int block_size, "
+        "float scale, int num_heads) -> Tensor");
+  m.impl("decode_layers_bf16", c10::DispatchKey::CPU, TORCH_FN(decode_layers_bf16));
+}
+
+#endif

@@ -1,0 +1,36 @@
+// The C++ entry points of the kernels a fused caller (decode_layers.cpp) calls directly,
+// each the function its registered op runs: the same code, without the dispatcher and
+// the Python between them. Defined in the kernel's own file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace kernels {
+
+// decoder_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// rotary_kv_store.cpp
+void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// paged_decode.cpp
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t block_size, double scale,
+                        int64_t window);
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define KERNELS_Q4_1_LINEAR_BF16
+// quant_linear_bf16.cpp
+at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
+                            const at::Tensor& scales, const at::Tensor& mins, int64_t N);
+#endif
+
+}  // namespace kernels

@@ -1,0 +1,167 @@
+"""The fused decode call (`gpu/cpu/layer_call.py`, `kernels/decode_layers.cpp`) against
+the module path, on a tiny random bf16 Llama whose linears hold Q4_1 blocks.
+
+The fused call runs the module path's kernels in its order, so every decode step's
+hidden states, logits, greedy ids and KV pools must be the module path's bit for bit.
+Two copies of the pools run the same steps, one with the fused call on, one off; the
+counter shows the fused call ran where it applies (one-row decode steps) and not where
+it does not (two decode rows, a prefill beside a decode): those fall back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.attention.base import AttentionInputs, StepContext
+from gpu.attention.torch_backend import TorchAttentionBackend
+from gpu.cpu.capabilities import CpuCapabilities
+from gpu.cpu.decoder_ops import CpuDecoderOps
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.layer_call import LayerCall
+from gpu.cpu.linear import pack_linears
+from models.config import ModelConfig
+from models.decoder import DecoderForCausalLM
+from models.gguf_blocks import QuantizedWeight
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+CAPS = CpuCapabilities.of(KERNELS)
+pytestmark = pytest.mark.skipif(
+    not CAPS.has("decode_layers_bf16") or not CAPS.bf16_arithmetic,
+    reason="no fused decode call here (it needs the AVX512-BF16 kernels)")
+
+BLOCK = 16
+NUM_BLOCKS = 16
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+PARTS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+         "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def q4_1(n: int, k: int, g: torch.Generator) -> QuantizedWeight:
+    """Random Q4_1 blocks (f16 scales and mins, as in a GGUF)."""
+    scales = (torch.randn(n, k // 32, generator=g) * 0.02).half().float()
+    mins = (torch.randn(n, k // 32, generator=g) * 0.1).half().float()
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    return QuantizedWeight("q4_1", qweight, scales, mins)
+
+
+def tiny_model() -> DecoderForCausalLM:
+    """The tiny Llama in bf16, its linears packed with their blocks (the weights are the
+    blocks' values) as the runner packs a GGUF model's."""
+    cfg = ModelConfig.from_hf_dict(CONFIG)
+    g = torch.Generator().manual_seed(0)
+    model = DecoderForCausalLM(cfg, max_positions=256, ops=CpuDecoderOps(CAPS))
+    hidden, inter, head = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"q_proj": (cfg.num_heads * head, hidden), "o_proj": (hidden, cfg.num_heads * head),
+              "k_proj": (cfg.num_kv_heads * head, hidden), "gate_proj": (inter, hidden),
+              "v_proj": (cfg.num_kv_heads * head, hidden), "up_proj": (inter, hidden),
+              "down_proj": (hidden, inter)}
+    weights, blocks = {}, {}
+    for i in range(cfg.num_layers):
+        for module, names in PARTS.items():
+            for name in names:
+                key = f"model.layers.{i}.{module}.{name}.weight"
+                blocks[key] = q4_1(*shapes[name], g)
+                weights[key] = blocks[key].dequantize()
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    weights["model.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    weights["model.embed_tokens.weight"] = torch.randn(cfg.vocab_size, hidden, generator=g)
+    weights["lm_head.weight"] = 0.1 * torch.randn(cfg.vocab_size, hidden, generator=g)
+    model = model.to(torch.bfloat16)
+    model.rotary = model.make_rotary(256)
+    model.load_weights(weights.items())
+    pack_linears(model, blocks, CAPS)
+    return model.eval()
+
+
+class Run:
+    """One copy of the KV pools and the sequences' block tables, stepped by `step`."""
+
+    def __init__(self, model: DecoderForCausalLM, fused: bool):
+        cfg = model.config
+        self.model, self.fused = model, fused
+        self.backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                             BLOCK, CAPS)
+        shape = self.backend.kv_cache_shape(NUM_BLOCKS)
+        self.k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
+        self.lens: dict[int, int] = {}
+
+    def step(self, new: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence -> its new tokens; returns (hidden, logits of each last token)."""
+        seqs = sorted(new)
+        ids, positions, slots, qstart, ctx_lens = [], [], [], [0], []
+        tables = torch.zeros(len(seqs), 4, dtype=torch.int32)
+        for row, s in enumerate(seqs):
+            first = self.lens.get(s, 0)
+            self.lens[s] = first + len(new[s])
+            tables[row] = torch.arange(4, dtype=torch.int32) + 4 * s  # 4 blocks a sequence
+            for j, tok in enumerate(new[s]):
+                ids.append(tok)
+                positions.append(first + j)
+                slots.append((4 * s) * BLOCK + first + j)
+            qstart.append(qstart[-1] + len(new[s]))
+            ctx_lens.append(self.lens[s])
+        inputs = AttentionInputs(
+            torch.tensor(slots), torch.tensor(qstart, dtype=torch.int32),
+            torch.tensor(ctx_lens, dtype=torch.int32), tables,
+            max(len(new[s]) for s in seqs), max(ctx_lens),
+            [len(new[s]) for s in seqs], ctx_lens)
+        ctx = StepContext(self.backend, self.backend.prepare(inputs), self.k, self.v)
+        self.model.ops.fuses_layers = self.fused
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
+            last = torch.tensor(qstart[1:]) - 1
+            logits = self.model.compute_logits(hidden[last])
+        return hidden, logits
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16
+                                              else a, b.view(torch.int16)
+                                              if b.dtype == torch.bfloat16 else b)
+
+
+def test_fused_decode_is_the_module_path_bit_for_bit():
+    model = tiny_model()
+    ops: CpuDecoderOps = model.ops
+    on, off = Run(model, fused=True), Run(model, fused=False)
+
+    def both(new: dict[int, list[int]], fused_rows: bool) -> dict[int, int]:
+        calls = ops.layer_calls
+        (h1, l1), (h0, l0) = on.step(new), off.step(new)
+        assert ops.layer_calls - calls == fused_rows, new
+        assert same(h1, h0) and same(l1, l0)
+        for a, b in zip(on.k + on.v, off.k + off.v, strict=True):
+            assert same(a, b)
+        return dict(zip(sorted(new), l1.argmax(-1).tolist(), strict=True))
+
+    nxt = both({0: [5, 17, 300, 42, 7]}, fused_rows=False)  # a prefill: the module path
+    for _ in range(6):  # one-row decode steps: the fused call
+        nxt = both({0: [nxt[0]]}, fused_rows=True)
+    nxt |= both({1: [9, 8, 7]}, fused_rows=False)
+    for _ in range(3):  # two decode rows: more than the dot-product kernel takes
+        nxt = both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=False)
+    nxt |= both({0: [nxt[0]], 2: [1, 2, 3, 4]}, fused_rows=False)  # decode beside a prefill
+    for _ in range(3):  # one row again, deep in its context
+        nxt = both({2: [nxt[2]]}, fused_rows=True)
+    assert ops.layer_calls == 9
+
+
+def test_models_it_does_not_take_run_their_layers():
+    model = tiny_model()
+    op = CAPS.op("decode_layers_bf16")
+    assert LayerCall.of(model, op) is not None
+    model.layers[1].self_attn.sliding_window = 64
+    assert LayerCall.of(model, op) is None
+    model.layers[1].self_attn.sliding_window = None
+    model.layers[2].mlp.down_proj = torch.nn.Linear(256, 128, bias=False).bfloat16()
+    assert LayerCall.of(model, op) is None
+    assert LayerCall.of(tiny_model().float(), op) is None
