@@ -1,7 +1,7 @@
 """Where a decode step goes at a given batch: SmolLM2 offline, one step timed and profiled.
 
     python benchmarks/decode_step_profile.py [--dtype auto] [--batch 1,32] [--prompt 128]
-        [--steps 40] [--shared-prefix 0] [--cascade-ab 0]
+        [--steps 40] [--shared-prefix 0] [--cascade-ab 0] [--layercall-ab 0]
 
 For each batch size: that many requests of PROMPT random tokens, prefilled and run ten
 steps, then STEPS decode steps timed one by one (the median is printed: the engine's
@@ -15,7 +15,8 @@ between the ops, the engine's host work.
 system prompt), run once first so that the prefix cache holds it and the batch's block
 tables share its blocks. `--cascade-ab R` then times R runs each with cascade decode
 attention (gpu/attention/shared_prefix.py) on and off, alternated, before the profiled
-run (cascade on).
+run (cascade on). `--layercall-ab R` likewise times R runs each with the one-call decode
+layers (gpu/cpu/layer_call.py) on and off, alternated (on for the profiled run).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--cascade-ab", type=int, default=0)
+    ap.add_argument("--layercall-ab", type=int, default=0)
     a = ap.parse_args()
     engine = LLM(dtype=a.dtype).engine
     rng = random.Random(0)
@@ -55,6 +57,29 @@ def main() -> None:
             if hasattr(runner.backend, "cascades"):
                 runner.backend.cascades = on and runner.backend.cascade_built
         engine.worker.call(set_on).result()
+
+    def layercall(on: bool) -> None:
+        def set_on(runner) -> None:
+            ops = runner.model.ops
+            if hasattr(ops, "fuses_layers"):
+                ops.fuses_layers = on and ops.layer_call_built
+        engine.worker.call(set_on).result()
+
+    def fused_steps() -> int:
+        return engine.worker.call(lambda r: getattr(r.model.ops, "layer_calls", 0)).result()
+
+    def ab(batch: int, reps: int, switch, name: str) -> None:
+        """`reps` runs each with `switch` on and off, alternated; it is left on."""
+        laps: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(reps):
+            for on in ((True, False) if rep % 2 == 0 else (False, True)):
+                switch(on)
+                laps[on].append(statistics.median(run(batch)))
+        switch(True)
+        on, off = (statistics.median(laps[k]) * 1e3 for k in (True, False))
+        print(f"batch {batch}, shared prefix {a.shared_prefix} + prompt {a.prompt}: "
+              f"step with {name} {on:.2f} ms, without {off:.2f} ms, ratio "
+              f"{on / off:.3f} (medians of {reps} runs each, alternated)")
 
     def run(batch: int, prof: profile | None = None) -> list[float]:
         """Seconds of each of `a.steps` decode steps of `batch` requests."""
@@ -83,16 +108,11 @@ def main() -> None:
     for batch in (int(b) for b in a.batch.split(",")):
         run(batch)
         if a.cascade_ab:
-            laps: dict[bool, list[float]] = {True: [], False: []}
-            for rep in range(a.cascade_ab):
-                for on in ((True, False) if rep % 2 == 0 else (False, True)):
-                    cascade(on)
-                    laps[on].append(statistics.median(run(batch)))
-            cascade(True)
-            on, off = (statistics.median(laps[k]) * 1e3 for k in (True, False))
-            print(f"batch {batch}, shared prefix {a.shared_prefix} + prompt {a.prompt}: "
-                  f"step with cascade {on:.2f} ms, without {off:.2f} ms, ratio "
-                  f"{on / off:.3f} (medians of {a.cascade_ab} runs each, alternated)")
+            ab(batch, a.cascade_ab, cascade, "cascade")
+        if a.layercall_ab:
+            before = fused_steps()
+            ab(batch, a.layercall_ab, layercall, "one-call layers")
+            print(f"  decode steps that took the one-call layers: {fused_steps() - before}")
         step = statistics.median(run(batch))
         prof = profile(activities=[ProfilerActivity.CPU])
         run(batch, prof)

@@ -26,7 +26,8 @@ class CpuDecoderOps(DecoderOps):
         capabilities = CpuCapabilities.of(kernels)
         self.kernels = capabilities.kernels  # torch.ops.ridgeline_cpu
         self._layers_op = capabilities.op("decode_layers_bf16")
-        self.fuses_layers = self._layers_op is not None
+        self.layer_call_built = self._layers_op is not None
+        self.fuses_layers = self.layer_call_built
         self.layer_calls = 0
         self._calls: dict[int, LayerCall | None] = {}  # by id(model), at its first forward
 
