@@ -4,8 +4,10 @@ the module path, on a tiny random bf16 Llama whose linears hold Q4_1 blocks.
 The fused call runs the module path's kernels in its order, so every decode step's
 hidden states, logits, greedy ids and KV pools must be the module path's bit for bit.
 Two copies of the pools run the same steps, one with the fused call on, one off; the
-counter shows the fused call ran where it applies (one-row decode steps) and not where
-it does not (two decode rows, a prefill beside a decode): those fall back.
+counter shows the fused call ran where it applies (decode-only steps of one row: the
+dot-product kernel; two: the widened blocks; three: AMX where the CPU has it) and not
+where it does not (a prefill, a prefill beside a decode, a model it does not take):
+those run the module path.
 """
 
 from __future__ import annotations
@@ -147,12 +149,22 @@ def test_fused_decode_is_the_module_path_bit_for_bit():
     for _ in range(6):  # one-row decode steps: the fused call
         nxt = both({0: [nxt[0]]}, fused_rows=True)
     nxt |= both({1: [9, 8, 7]}, fused_rows=False)
-    for _ in range(3):  # two decode rows: more than the dot-product kernel takes
-        nxt = both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=False)
+    for _ in range(3):  # two decode rows: the widened blocks
+        nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=True)
     nxt |= both({0: [nxt[0]], 2: [1, 2, 3, 4]}, fused_rows=False)  # decode beside a prefill
-    for _ in range(3):  # one row again, deep in its context
-        nxt = both({2: [nxt[2]]}, fused_rows=True)
-    assert ops.layer_calls == 9
+    for _ in range(3):  # one row again
+        nxt |= both({2: [nxt[2]]}, fused_rows=True)
+    for _ in range(4):  # three rows: AMX where the CPU has it, else the widened blocks
+        nxt = both({s: [nxt[s]] for s in range(3)}, fused_rows=True)
+    assert ops.layer_calls == 16
+
+
+def test_each_row_count_takes_the_linears_route():
+    call = LayerCall.of(tiny_model(), CAPS.op("decode_layers_bf16"))
+    assert call.route(1)[0] == 0  # the AVX512-BF16 dot-product kernel
+    assert call.route(2)[0] == 1  # the widened blocks
+    assert call.route(3)[0] == (2 if CAPS.amx else 1)
+    assert call.route(4096) is None  # oneDNN's packed weight: the module path
 
 
 def test_models_it_does_not_take_run_their_layers():

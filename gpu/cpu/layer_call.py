@@ -9,13 +9,14 @@ C++, so its hidden states are the module path's bit for bit.
 
 It applies to a step where all of these hold, and the module path runs the rest:
 - the model (checked once, at its first forward, after its linears are packed): bf16,
-  every layer's qkv, o, gate_up and down a bare `PackedLinear` with the bf16
-  dot-product kernel (no LoRA wrapper, no bias), no q/k norm, no sliding window, one
-  norm epsilon;
-- the step: decode only (one new token per sequence, every row of the batch), no more
-  rows than the linears send to the dot-product kernel, through the C++ paths of
-  `TorchAttentionBackend` (RoPE fused with the KV store, `paged_decode`; no cascade
-  prefix this step), with a bf16 KV pool.
+  every layer's qkv, o, gate_up and down a bare `PackedLinear` (no LoRA wrapper, no
+  bias) with Q4_1 blocks and one route plan for all of them, no q/k norm, no sliding
+  window, one norm epsilon;
+- the step: decode only (one new token per sequence, every row of the batch), a row
+  count the linears send to their blocks (`ROUTES`: the bf16 dot-product kernel, the
+  widened blocks, AMX; not oneDNN's packed weight), where the attention backend says
+  its `forward` would take only its C++ paths (`one_call_decode`: RoPE fused with the
+  KV store, `paged_decode`; no cascade prefix this step), with a bf16 KV pool.
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.attention.base import StepContext
-from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.cpu.linear import PackedLinear
+from gpu.cpu.routing import Route
+
+# The routes the fused call takes, by the code `decode_layers.cpp` reads, and where
+# `PackedLinear` binds each route's kernel arguments (its tensors, then N).
+ROUTES = {Route.BLOCKS_BF16: (0, "_dot_args"), Route.BLOCKS: (1, "_quantized_args"),
+          Route.AMX: (2, "_amx_args")}
 
 
 class LayerCall:
     """A model's arguments of `decode_layers_bf16`, bound once: each layer's two norm
-    weights then the final norm's, each linear's kernel arguments as `PackedLinear`
-    binds them (`_dot_args`: its tensors, then N)."""
+    weights then the final norm's, and per route the linears' kernel arguments as
+    `PackedLinear` binds them, in layer order (qkv, o, gate_up, down)."""
 
     def __init__(self, op, model: nn.Module, norms: list[torch.Tensor],
                  linears: list[PackedLinear]):
@@ -39,10 +44,20 @@ class LayerCall:
         self.norms = norms
         self.eps = model.norm.eps
         self.num_heads = model.config.num_heads
-        self.linears = [t for layer in linears for t in layer._dot_args[:-1]]
-        self.out_features = [layer._dot_args[-1] for layer in linears]
-        # Rows every linear sends to the dot-product kernel.
-        self.max_rows = min(layer._dot_max_rows for layer in linears)
+        self.plan = linears[0].plan  # every linear's (`of` checks)
+        self.out_features = [layer.out_features for layer in linears]
+        self.args: dict[Route, tuple[int, list[torch.Tensor]]] = {}
+        for route, (code, attr) in ROUTES.items():
+            bound = [getattr(layer, attr) for layer in linears]
+            if all(bound):
+                self.args[route] = (code, [t for b in bound for t in b[:-1]])
+        self._by_rows: dict[int, tuple[int, list[torch.Tensor]] | None] = {}
+
+    def route(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
+        """(route code, linears' arguments) for a step of `rows` rows, or None."""
+        if rows not in self._by_rows:
+            self._by_rows[rows] = self.args.get(self.plan.route(rows))
+        return self._by_rows[rows]
 
     @classmethod
     def of(cls, model: nn.Module, op) -> LayerCall | None:
@@ -54,33 +69,32 @@ class LayerCall:
             attn, mlp = layer.self_attn, layer.mlp
             parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.q_norm is not None or attn.sliding_window is not None \
-                    or not all(type(p) is PackedLinear and p._dot_max_rows > 0 for p in parts):
+                    or not all(type(p) is PackedLinear and p.quantized is not None
+                               and p.quantized.format == "q4_1" for p in parts):
                 return None
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
             linears += parts
         norms.append(model.norm)
-        if len({n.eps for n in norms}) != 1:
+        if len({n.eps for n in norms}) != 1 or len({p.plan for p in linears}) != 1:
             return None
         return cls(op, model, [n.weight for n in norms], linears)
 
-    def applies(self, x: torch.Tensor, ctx) -> bool:
-        """Whether this step, `x` its embeddings, is one the fused call takes."""
-        if x.shape[0] > self.max_rows or type(ctx) is not StepContext:
-            return False
-        backend = ctx.backend
-        if type(backend) is not TorchAttentionBackend or backend.kernels is None \
-                or not backend.fuses_rotary:
-            return False
-        groups = ctx.meta.groups
-        return (len(groups) == 1 and groups[0].identity and groups[0].shared is None
-                and ctx.k_caches[0].dtype == torch.bfloat16)
+    def group(self, x: torch.Tensor, ctx):
+        """This step's decode group where the fused call takes the step (`x` its
+        embeddings, `ctx` its `StepContext`), else None."""
+        backend = getattr(ctx, "backend", None)  # the model thread's StepContext on CPU
+        if backend is None or self.route(x.shape[0]) is None \
+                or ctx.k_caches[0].dtype != torch.bfloat16:
+            return None
+        return backend.one_call_decode(ctx.meta)
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 ctx: StepContext) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx,
+                 group) -> torch.Tensor:
         """The final hidden states [T, hidden] (the module path's `forward` result); `x`,
         the embeddings, becomes the residual stream, updated in place as there."""
-        backend, meta = ctx.backend, ctx.meta
-        group = meta.groups[0]
-        return self.op(x, *rope, self.norms, self.eps, self.linears, self.out_features,
-                       ctx.k_caches, ctx.v_caches, meta.slot_mapping, group.block_tables,
-                       group.context_lens, backend.block_size, backend.scale, self.num_heads)
+        backend = ctx.backend
+        code, linears = self.route(x.shape[0])
+        return self.op(x, *rope, self.norms, self.eps, linears, self.out_features,
+                       ctx.k_caches, ctx.v_caches, ctx.meta.slot_mapping, group.block_tables,
+                       group.context_lens, backend.block_size, backend.scale, self.num_heads,
+                       code)

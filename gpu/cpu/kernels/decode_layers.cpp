@@ -1,6 +1,6 @@
-// A decode step's decoder layers in one call (CPU, a bf16 model, one new token per
-// sequence, every linear on the AVX512-BF16 dot-product kernel): the module path's
-// kernels, called in its order, with no Python between them.
+// A decode step's decoder layers in one call (CPU, a bf16 model with Q4_1 blocks, one new
+// token per sequence, every linear on the same blocks' route for the step's rows): the
+// module path's kernels, called in its order, with no Python between them.
 //
 // Why: at one user a layer is nine kernel calls of a few microseconds each, and in the
 // module path each sits behind nn.Module calls, the linear's routing, the attention
@@ -19,7 +19,9 @@
 // as in the module path); norms: each layer's input and post-attention weights, then the
 // final norm's; linears: each layer's qkv, o, gate_up and down projections' arguments as
 // gpu/cpu/linear.py's PackedLinear holds them for this kernel (the same count of tensors
-// each), out_features their N; pools and attention metadata as paged_decode takes them.
+// each) for the step's route (`route`: the AVX512-BF16 dot-product kernel, the widened
+// blocks, AMX; gpu/cpu/routing.py picks it by rows), out_features their N; pools and
+// attention metadata as paged_decode takes them.
 // gpu/cpu/layer_call.py decides when this applies and builds the lists once.
 
 #include <ATen/core/Tensor.h>
@@ -35,10 +37,24 @@ namespace {
 
 constexpr int64_t kLinears = 4;  // qkv, o, gate_up, down
 
-// The one call into the linears' kernel: `args` the linear's tensors as PackedLinear
-// binds them (`_dot_args` without its last item, N).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* args, int64_t n) {
-  return kernels::q4_1_linear_bf16(x, args[0], args[1], args[2], n);
+// The linears' kernel by route: the codes gpu/cpu/layer_call.py passes (`ROUTES`).
+enum Route : int64_t { kDot = 0, kBlocks = 1, kAmx = 2 };
+
+// The one call into a linear's kernel: `args` the linear's tensors as PackedLinear binds
+// them for `route` (its `_dot_args`, `_quantized_args` or `_amx_args`, less N).
+at::Tensor linear(int64_t route, const at::Tensor& x, const at::Tensor* args, int64_t n) {
+  switch (route) {
+    case kDot:
+      return kernels::q4_1_linear_bf16(x, args[0], args[1], args[2], n);
+    case kBlocks:
+      return kernels::q4_1_linear(x, args[0], args[1], args[2], n);
+#ifdef KERNELS_Q4_1_LINEAR_AMX
+    case kAmx:
+      return kernels::q4_1_linear_amx(x, args[0], args[1], args[2], n);
+#endif
+    default:
+      TORCH_CHECK(false, "decode_layers_bf16: no kernel for route ", route, " in this build");
+  }
 }
 
 at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -46,7 +62,8 @@ at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Te
                               at::IntArrayRef out_features, at::TensorList k_caches,
                               at::TensorList v_caches, const at::Tensor& slot_mapping,
                               const at::Tensor& block_tables, const at::Tensor& context_lens,
-                              int64_t block_size, double scale, int64_t num_heads) {
+                              int64_t block_size, double scale, int64_t num_heads,
+                              int64_t route) {
   const char* op = "decode_layers_bf16";
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -67,7 +84,7 @@ at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Te
     const at::Tensor* lin = linears.data() + l * kLinears * per;
     const int64_t* n = out_features.data() + l * kLinears;
     if (l > 0) h = kernels::add_rms_norm_(out, residual, norms[2 * l], eps);
-    at::Tensor qkv = linear(h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
+    at::Tensor qkv = linear(route, h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
     at::Tensor q = qkv.narrow(1, 0, heads);
     const at::Tensor k = qkv.narrow(1, heads, kv_heads);
     const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
@@ -75,9 +92,10 @@ at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Te
     kernels::rotary_kv_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     const at::Tensor o = kernels::paged_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                block_size, scale, 0);
-    h = kernels::add_rms_norm_(linear(o.view({T, heads * D}), lin + per, n[1]), residual,
-                               norms[2 * l + 1], eps);
-    out = linear(kernels::silu_and_mul(linear(h, lin + 2 * per, n[2])), lin + 3 * per, n[3]);
+    h = kernels::add_rms_norm_(linear(route, o.view({T, heads * D}), lin + per, n[1]),
+                               residual, norms[2 * l + 1], eps);
+    const at::Tensor act = kernels::silu_and_mul(linear(route, h, lin + 2 * per, n[2]));
+    out = linear(route, act, lin + 3 * per, n[3]);
   }
   return kernels::add_rms_norm_(out, residual, norms[2 * layers], eps);
 }
@@ -88,7 +106,7 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("decode_layers_bf16(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, float eps, "
         "Tensor[] linears, int[] out_features, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int block_size, "
-        "float scale, int num_heads) -> Tensor");
+        "float scale, int num_heads, int route) -> Tensor");
   m.impl("decode_layers_bf16", c10::DispatchKey::CPU, TORCH_FN(decode_layers_bf16));
 }
 

@@ -26,11 +26,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& context_lens, int64_t block_size, double scale,
                         int64_t window);
 
+// quant_linear.cpp
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t N);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t N);
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KERNELS_Q4_1_LINEAR_BF16
 // quant_linear_bf16.cpp
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N);
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KERNELS_Q4_1_LINEAR_AMX
+// quant_linear_amx_table.cpp
+at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
+                           const at::Tensor& scales, const at::Tensor& mins, int64_t N);
 #endif
 
 }  // namespace kernels

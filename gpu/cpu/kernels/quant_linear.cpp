@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "entry_points.h"
 #include "quant_blocks.h"
 
 #ifdef __AVX512F__
@@ -317,6 +318,10 @@ at::Tensor in_float32(const W& w, const at::Tensor& x, int64_t N) {
   return out;
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t N) {
   const int64_t K = check_panels(qweight, at::kByte, 16, N, "q4_1_linear");
@@ -337,12 +342,12 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return in_float32(w, x, N);
 }
 
-}  // namespace
+}  // namespace kernels
 
 // A fragment: paged_decode.cpp owns the library's one TORCH_LIBRARY block.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
-  m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear));
-  m.impl("q8_0_linear", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear));
+  m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear));
+  m.impl("q8_0_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_0_linear));
 }

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "entry_points.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -247,6 +248,10 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
   });
 }
 
+}  // namespace
+
+namespace kernels {
+
 at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_amx";
@@ -272,11 +277,11 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
   return out;
 }
 
-}  // namespace
+}  // namespace kernels
 
 // Registered only where AMX was compiled in: callers look the op up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear_amx(Tensor x, Tensor levels, Tensor scales, Tensor mins, int N) -> Tensor");
-  m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_amx));
+  m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_amx));
 }
 #endif
