@@ -177,3 +177,34 @@ def test_models_it_does_not_take_run_their_layers():
     model.layers[2].mlp.down_proj = torch.nn.Linear(256, 128, bias=False).bfloat16()
     assert LayerCall.of(model, op) is None
     assert LayerCall.of(tiny_model().float(), op) is None
+
+
+def test_smollm2_serves_the_same_greedy_ids_with_the_fused_call_on_and_off():
+    """The real SmolLM2 (its GGUF's Q4_1 blocks, bf16) through the engine: one request,
+    then three at once (AMX or the widened blocks), the same greedy ids either way, and
+    the fused call ran only where it was on."""
+    from app.engine.sampling_params import SamplingParams
+    from app.llm import LLM
+
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory="64MiB")
+    try:
+        worker = llm.engine.worker
+
+        def fuse(on: bool) -> int:
+            def set_on(runner) -> int:
+                runner.model.ops.fuses_layers = on
+                return runner.model.ops.layer_calls
+            return worker.call(set_on).result()
+
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        prompts = ["The capital of France is", "Write a haiku about rain.", "2 + 2 ="]
+        ids, calls = {}, {}
+        for on in (True, False):
+            before = fuse(on)
+            ids[on] = [[o.token_ids for o in llm.generate(batch, params)]
+                       for batch in (prompts[:1], prompts)]
+            calls[on] = fuse(True) - before
+        assert ids[True] == ids[False]
+        assert calls[True] >= 2 * 15 and calls[False] == 0
+    finally:
+        llm.shutdown()
