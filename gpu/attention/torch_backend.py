@@ -163,14 +163,17 @@ class TorchAttentionBackend(AttentionBackend):
                       inputs.context_lens[idx].to(torch.int32).contiguous(),
                       starts.to(torch.int32), qlens.to(torch.int32), shared)
 
-    def one_call_decode(self, meta: TorchAttentionMetadata) -> _Group | None:
-        """The step's group where it is every row, one token each, and `forward` would
-        take only the C++ paths (RoPE fused with the store, `paged_decode`; no cascade):
-        `gpu/cpu/layer_call.py` then runs the layers in one call with its tables."""
+    def one_call_decode(self, meta: TorchAttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+        """(slot_mapping, block_tables, context_lens) where the step is one group of every
+        row, one token each, and `forward` would take only the C++ paths (RoPE fused with
+        the store, `paged_decode`; no cascade): `gpu/cpu/layer_call.py` then runs the
+        layers in one call with them."""
         if self.kernels is None or not self.fuses_rotary or len(meta.groups) != 1:
             return None
-        group = meta.groups[0]
-        return group if group.identity and group.shared is None else None
+        g = meta.groups[0]
+        if not g.identity or g.shared is not None:
+            return None
+        return meta.slot_mapping, g.block_tables, g.context_lens
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):

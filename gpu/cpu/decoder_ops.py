@@ -58,8 +58,8 @@ class CpuDecoderOps(DecoderOps):
         if key not in self._calls:
             self._calls[key] = LayerCall.of(model, self._layers_op)
         call = self._calls[key]
-        group = call.group(x, ctx) if call is not None else None
-        if group is None:
+        args = call.decode_args(x, ctx) if call is not None else None
+        if args is None:
             return None
         self.layer_calls += 1
-        return call(x, rope, ctx, group)
+        return call(x, rope, ctx, args)

@@ -79,9 +79,10 @@ class LayerCall:
             return None
         return cls(op, model, [n.weight for n in norms], linears)
 
-    def group(self, x: torch.Tensor, ctx):
-        """This step's decode group where the fused call takes the step (`x` its
-        embeddings, `ctx` its `StepContext`), else None."""
+    def decode_args(self, x: torch.Tensor, ctx) -> tuple[torch.Tensor, ...] | None:
+        """The attention metadata the fused call reads (slot_mapping, block_tables,
+        context_lens) where it takes this step (`x` its embeddings, `ctx` its
+        `StepContext`), else None."""
         backend = getattr(ctx, "backend", None)  # the model thread's StepContext on CPU
         if backend is None or self.route(x.shape[0]) is None \
                 or ctx.k_caches[0].dtype != torch.bfloat16:
@@ -89,12 +90,11 @@ class LayerCall:
         return backend.one_call_decode(ctx.meta)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx,
-                 group) -> torch.Tensor:
+                 decode_args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The final hidden states [T, hidden] (the module path's `forward` result); `x`,
         the embeddings, becomes the residual stream, updated in place as there."""
         backend = ctx.backend
         code, linears = self.route(x.shape[0])
         return self.op(x, *rope, self.norms, self.eps, linears, self.out_features,
-                       ctx.k_caches, ctx.v_caches, ctx.meta.slot_mapping, group.block_tables,
-                       group.context_lens, backend.block_size, backend.scale, self.num_heads,
-                       code)
+                       ctx.k_caches, ctx.v_caches, *decode_args, backend.block_size,
+                       backend.scale, self.num_heads, code)
