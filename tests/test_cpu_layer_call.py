@@ -161,9 +161,9 @@ def test_fused_decode_is_the_module_path_bit_for_bit():
 
 def test_each_row_count_takes_the_linears_route():
     call = LayerCall.of(tiny_model(), CAPS.op("decode_layers_bf16"))
-    assert call.route(1)[0] == 0  # the AVX512-BF16 dot-product kernel
-    assert call.route(2)[0] == 1  # the widened blocks
-    assert call.route(3)[0] == (2 if CAPS.amx else 1)
+    assert call.route(1) == 0  # the AVX512-BF16 dot-product kernel
+    assert call.route(2) == 1  # the widened blocks
+    assert call.route(3) == (2 if CAPS.amx else 1)
     assert call.route(4096) is None  # oneDNN's packed weight: the module path
 
 

@@ -34,29 +34,27 @@ ROUTES = {Route.BLOCKS_BF16: (0, "_dot_args"), Route.BLOCKS: (1, "_quantized_arg
 
 
 class LayerCall:
-    """A model's arguments of `decode_layers_bf16`, bound once: each layer's two norm
-    weights then the final norm's, and per route the linears' kernel arguments as
+    """A model's `DecodeWeights` for `decode_layers_bf16`, bound once: each layer's two
+    norm weights then the final norm's, and per route the linears' kernel arguments as
     `PackedLinear` binds them, in layer order (qkv, o, gate_up, down)."""
 
     def __init__(self, op, model: nn.Module, norms: list[torch.Tensor],
                  linears: list[PackedLinear]):
         self.op = op
-        self.norms = norms
-        self.eps = model.norm.eps
-        self.num_heads = model.config.num_heads
         self.plan = linears[0].plan  # every linear's (`of` checks)
-        self.out_features = [layer.out_features for layer in linears]
-        self.args: dict[Route, tuple[int, list[torch.Tensor]]] = {}
-        for route, (code, attr) in ROUTES.items():
-            bound = [getattr(layer, attr) for layer in linears]
-            if all(bound):
-                self.args[route] = (code, [t for b in bound for t in b[:-1]])
-        self._by_rows: dict[int, tuple[int, list[torch.Tensor]] | None] = {}
+        by_code = {code: [t for layer in linears for t in getattr(layer, attr)[:-1]]
+                   if all(getattr(layer, attr) for layer in linears) else []
+                   for code, attr in ROUTES.values()}
+        self.codes = {route: code for route, (code, _) in ROUTES.items() if by_code[code]}
+        self.weights = torch.classes.ridgeline_cpu.DecodeWeights(
+            norms, model.norm.eps, [layer.out_features for layer in linears],
+            model.config.num_heads, *(by_code[code] for code in range(len(ROUTES))))
+        self._by_rows: dict[int, int | None] = {}
 
-    def route(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
-        """(route code, linears' arguments) for a step of `rows` rows, or None."""
+    def route(self, rows: int) -> int | None:
+        """The route code of a step of `rows` rows, or None (a route it does not take)."""
         if rows not in self._by_rows:
-            self._by_rows[rows] = self.args.get(self.plan.route(rows))
+            self._by_rows[rows] = self.codes.get(self.plan.route(rows))
         return self._by_rows[rows]
 
     @classmethod
@@ -94,7 +92,5 @@ class LayerCall:
         """The final hidden states [T, hidden] (the module path's `forward` result); `x`,
         the embeddings, becomes the residual stream, updated in place as there."""
         backend = ctx.backend
-        code, linears = self.route(x.shape[0])
-        return self.op(x, *rope, self.norms, self.eps, linears, self.out_features,
-                       ctx.k_caches, ctx.v_caches, *decode_args, backend.block_size,
-                       backend.scale, self.num_heads, code)
+        return self.op(self.weights, x, self.route(x.shape[0]), *rope, ctx.k_caches,
+                       ctx.v_caches, *decode_args, backend.block_size, backend.scale)

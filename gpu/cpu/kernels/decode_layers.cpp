@@ -15,19 +15,23 @@
 //   h = add_rms_norm_(linear(o), residual); out = linear(silu_and_mul(linear(h)))
 // and after the last layer the final norm: add_rms_norm_(out, residual).
 //
-// Arguments: x [T, hidden] the embeddings (becomes the residual stream, updated in place,
-// as in the module path); norms: each layer's input and post-attention weights, then the
-// final norm's; linears: each layer's qkv, o, gate_up and down projections' arguments as
-// gpu/cpu/linear.py's PackedLinear holds them for this kernel (the same count of tensors
-// each) for the step's route (`route`: the AVX512-BF16 dot-product kernel, the widened
-// blocks, AMX; gpu/cpu/routing.py picks it by rows), out_features their N; pools and
-// attention metadata as paged_decode takes them.
-// gpu/cpu/layer_call.py decides when this applies and builds the lists once.
+// Arguments: `weights`, a `DecodeWeights` bound once per model (gpu/cpu/layer_call.py:
+// its few hundred tensors, not converted from Python lists at every step): each
+// layer's input and post-attention norm weights, then the final norm's; per route (the
+// AVX512-BF16 dot-product kernel, the widened blocks, AMX: gpu/cpu/routing.py picks it by
+// rows) each layer's qkv, o, gate_up and down projections' arguments as
+// gpu/cpu/linear.py's PackedLinear binds them for that route's kernel (the same count of
+// tensors each); their N. Per step: x [T, hidden] the embeddings (becomes the residual
+// stream, updated in place, as in the module path), the step's route, cos and sin, the
+// pools and the attention metadata as paged_decode takes them.
 
 #include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "entry_points.h"
 
@@ -38,7 +42,7 @@ namespace {
 constexpr int64_t kLinears = 4;  // qkv, o, gate_up, down
 
 // The linears' kernel by route: the codes gpu/cpu/layer_call.py passes (`ROUTES`).
-enum Route : int64_t { kDot = 0, kBlocks = 1, kAmx = 2 };
+enum Route : int64_t { kDot = 0, kBlocks = 1, kAmx = 2, kRoutes = 3 };
 
 // The one call into a linear's kernel: `args` the linear's tensors as PackedLinear binds
 // them for `route` (its `_dot_args`, `_quantized_args` or `_amx_args`, less N).
@@ -57,32 +61,58 @@ at::Tensor linear(int64_t route, const at::Tensor& x, const at::Tensor* args, in
   }
 }
 
-at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                              at::TensorList norms, double eps, at::TensorList linears,
-                              at::IntArrayRef out_features, at::TensorList k_caches,
-                              at::TensorList v_caches, const at::Tensor& slot_mapping,
-                              const at::Tensor& block_tables, const at::Tensor& context_lens,
-                              int64_t block_size, double scale, int64_t num_heads,
-                              int64_t route) {
+// A model's tensors the fused call reads every step; a route's list is empty where the
+// layers have no arguments for it.
+struct DecodeWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> norms;
+  double eps;
+  std::vector<int64_t> out_features;
+  int64_t num_heads;
+  std::vector<at::Tensor> linears[kRoutes];
+
+  DecodeWeights(std::vector<at::Tensor> norms_, double eps_, std::vector<int64_t> out_features_,
+                int64_t num_heads_, std::vector<at::Tensor> dot, std::vector<at::Tensor> blocks,
+                std::vector<at::Tensor> amx)
+      : norms(std::move(norms_)), eps(eps_), out_features(std::move(out_features_)),
+        num_heads(num_heads_), linears{std::move(dot), std::move(blocks), std::move(amx)} {
+    const auto layers = static_cast<int64_t>(out_features.size()) / kLinears;
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(out_features.size()) == kLinears * layers &&
+                    static_cast<int64_t>(norms.size()) == 2 * layers + 1,
+                "DecodeWeights: per layer two norms and ", kLinears, " linears' N, then the "
+                "final norm");
+    for (const auto& route : linears)
+      TORCH_CHECK(route.size() % (kLinears * layers) == 0,
+                  "DecodeWeights: a route's arguments are not the same count per linear");
+  }
+};
+
+at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Tensor& x,
+                              int64_t route, const at::Tensor& cos, const at::Tensor& sin,
+                              at::TensorList k_caches, at::TensorList v_caches,
+                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, int64_t block_size,
+                              double scale) {
   const char* op = "decode_layers_bf16";
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
-                  static_cast<int64_t>(out_features.size()) == kLinears * layers &&
-                  linears.size() % (kLinears * layers) == 0 && !linears.empty(),
-              op, ": per layer two norms, ", kLinears, " linears and a K and V pool, "
-              "then the final norm");
+  const int64_t layers = static_cast<int64_t>(w->out_features.size()) / kLinears;
+  TORCH_CHECK(route >= 0 && route < kRoutes && !w->linears[route].empty(), op,
+              ": no linears' arguments for route ", route);
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers,
+              op, ": a K and a V pool per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, op,
               ": x must be contiguous bfloat16 [T, hidden]");
+  const std::vector<at::Tensor>& linears = w->linears[route];
+  const std::vector<at::Tensor>& norms = w->norms;
+  const double eps = w->eps;
   const int64_t per = static_cast<int64_t>(linears.size()) / (kLinears * layers);
   const int64_t T = x.size(0), kv_heads = k_caches[0].size(0), D = k_caches[0].size(2);
-  const int64_t heads = num_heads;
+  const int64_t heads = w->num_heads;
   at::Tensor& residual = x;
   at::Tensor h = kernels::rms_norm(x, norms[0], eps);
   at::Tensor out;  // the previous layer's output, not yet added to the residual stream
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* lin = linears.data() + l * kLinears * per;
-    const int64_t* n = out_features.data() + l * kLinears;
+    const int64_t* n = w->out_features.data() + l * kLinears;
     if (l > 0) h = kernels::add_rms_norm_(out, residual, norms[2 * l], eps);
     at::Tensor qkv = linear(route, h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
     at::Tensor q = qkv.narrow(1, 0, heads);
@@ -103,10 +133,14 @@ at::Tensor decode_layers_bf16(at::Tensor& x, const at::Tensor& cos, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("decode_layers_bf16(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, float eps, "
-        "Tensor[] linears, int[] out_features, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int block_size, "
-        "float scale, int num_heads, int route) -> Tensor");
+  m.class_<DecodeWeights>("DecodeWeights")
+      .def(torch::init<std::vector<at::Tensor>, double, std::vector<int64_t>, int64_t,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>>());
+  m.def("decode_layers_bf16(__torch__.torch.classes.ridgeline_cpu.DecodeWeights weights, "
+        "Tensor(a!) x, int route, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
+        "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, int block_size, float scale) -> Tensor");
   m.impl("decode_layers_bf16", c10::DispatchKey::CPU, TORCH_FN(decode_layers_bf16));
 }
 
