@@ -26,6 +26,8 @@
 // pools and the attention metadata as paged_decode takes them.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -108,23 +110,28 @@ at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Te
   const int64_t T = x.size(0), kv_heads = k_caches[0].size(0), D = k_caches[0].size(2);
   const int64_t heads = w->num_heads;
   at::Tensor& residual = x;
-  at::Tensor h = kernels::rms_norm(x, norms[0], eps);
+  // Each op's output in a buffer of the call, rewritten layer by layer (the linears'
+  // kernel allocates its own); the final norm's is the result, a tensor of its own.
+  at::Tensor h = at::empty_like(x), attn = at::empty({T, heads, D}, x.options()), act;
+  kernels::rms_norm_out(x, norms[0], eps, h);
   at::Tensor out;  // the previous layer's output, not yet added to the residual stream
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* lin = linears.data() + l * kLinears * per;
     const int64_t* n = w->out_features.data() + l * kLinears;
-    if (l > 0) h = kernels::add_rms_norm_(out, residual, norms[2 * l], eps);
+    if (l > 0) kernels::add_rms_norm_out(out, residual, norms[2 * l], eps, h);
     at::Tensor qkv = linear(route, h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
     at::Tensor q = qkv.narrow(1, 0, heads);
     const at::Tensor k = qkv.narrow(1, heads, kv_heads);
     const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     kernels::rotary_kv_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-    const at::Tensor o = kernels::paged_decode(q, k_cache, v_cache, block_tables, context_lens,
-                                               block_size, scale, 0);
-    h = kernels::add_rms_norm_(linear(route, o.view({T, heads * D}), lin + per, n[1]),
-                               residual, norms[2 * l + 1], eps);
-    const at::Tensor act = kernels::silu_and_mul(linear(route, h, lin + 2 * per, n[2]));
+    kernels::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                              scale, 0, attn);
+    kernels::add_rms_norm_out(linear(route, attn.view({T, heads * D}), lin + per, n[1]),
+                              residual, norms[2 * l + 1], eps, h);
+    const at::Tensor gate_up = linear(route, h, lin + 2 * per, n[2]);
+    if (!act.defined()) act = at::empty({T, gate_up.size(1) / 2}, x.options());
+    kernels::silu_and_mul_out(gate_up, act);
     out = linear(route, act, lin + 3 * per, n[3]);
   }
   return kernels::add_rms_norm_(out, residual, norms[2 * layers], eps);

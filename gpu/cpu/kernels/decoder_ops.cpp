@@ -105,13 +105,21 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name)
               " takes float32 or bfloat16");
 }
 
+// `out`: contiguous [rows of x, dim], x's dtype (the registered ops allocate it; a fused
+// caller hands over a buffer it reuses).
+void check_out(const at::Tensor& out, const at::Tensor& x, int64_t dim, const char* name) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == dim && out.scalar_type() == x.scalar_type(),
+              name, ": out must be contiguous [T, ", dim, "] of x's dtype");
+}
+
 }  // namespace
 
 namespace kernels {
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_rows(x, weight, "rms_norm");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  check_out(out, x, x.size(1), "rms_norm");
   AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         norm_rows<float>(x.const_data_ptr<float>(), x.stride(0), nullptr, 0,
@@ -123,16 +131,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         norm_rows<T>(x.const_data_ptr<T>(), x.stride(0), nullptr, 0, weight.const_data_ptr<T>(),
                      out.mutable_data_ptr<T>(), x.size(0), x.size(1), static_cast<float>(eps));
       }));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_out(x, weight, eps, out);
   return out;
 }
 
-at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                         double eps) {
+void add_rms_norm_out(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                      double eps, at::Tensor& out) {
   check_rows(x, weight, "add_rms_norm_");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
                   residual.scalar_type() == x.scalar_type(),
               "add_rms_norm_: residual must match x");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  check_out(out, x, x.size(1), "add_rms_norm_");
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm_",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         norm_rows<float>(x.const_data_ptr<float>(), x.stride(0),
@@ -146,6 +159,12 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
                      residual.stride(0), weight.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
                      x.size(0), x.size(1), static_cast<float>(eps));
       }));
+}
+
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps) {
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  add_rms_norm_out(x, residual, weight, eps, out);
   return out;
 }
 
@@ -192,11 +211,11 @@ void silu_mul_rows(const T* in, int64_t in_stride, T* out, int64_t rows, int64_t
 
 namespace kernels {
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: gate_up must be [T, 2 * inter], rows contiguous");
   const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  check_out(out, gate_up, inter, "silu_and_mul");
   AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_and_mul",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         silu_mul_rows<float>(gate_up.const_data_ptr<float>(), gate_up.stride(0),
@@ -207,6 +226,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         silu_mul_rows<T>(gate_up.const_data_ptr<T>(), gate_up.stride(0),
                          out.mutable_data_ptr<T>(), gate_up.size(0), inter);
       }));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_and_mul_out(gate_up, out);
   return out;
 }
 

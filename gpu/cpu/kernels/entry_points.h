@@ -9,11 +9,15 @@
 
 namespace kernels {
 
-// decoder_ops.cpp
+// decoder_ops.cpp; the `_out` forms write into `out` (contiguous, [T, dim]) instead.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                          double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rms_norm_out(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+void add_rms_norm_out(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                      double eps, at::Tensor& out);
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 
 // rotary_kv_store.cpp
 void rotary_kv_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -25,6 +29,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t block_size, double scale,
                         int64_t window);
+void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      int64_t block_size, double scale, int64_t window, at::Tensor& out);
 
 // quant_linear.cpp
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

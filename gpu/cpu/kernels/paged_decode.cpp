@@ -207,10 +207,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 namespace kernels {
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, int64_t block_size, double scale,
-                        int64_t window) {
+void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      int64_t block_size, double scale, int64_t window, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -227,7 +226,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                   block_tables.size(0) == q.size(0) && context_lens.is_contiguous() &&
                   context_lens.numel() == q.size(0),
               "one block-table row and one context length per query row");
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out must be contiguous [B, H, D] of q's dtype");
   if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat) {
     decode<float, float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
                          window, out);
@@ -240,6 +241,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   } else {
     TORCH_CHECK(false, "paged_decode takes float32 or bfloat16, got ", q.scalar_type());
   }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t block_size, double scale,
+                        int64_t window) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window,
+                   out);
   return out;
 }
 
