@@ -118,11 +118,16 @@ at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Te
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* lin = linears.data() + l * kLinears * per;
     const int64_t* n = w->out_features.data() + l * kLinears;
+    TORCH_CHECK(n[0] == (heads + 2 * kv_heads) * D, op, ": layer ", l, "'s qkv has ", n[0],
+                " outputs, not (heads + 2 kv_heads) * head_dim");
     if (l > 0) kernels::add_rms_norm_out(out, residual, norms[2 * l], eps, h);
-    at::Tensor qkv = linear(route, h, lin, n[0]).view({T, heads + 2 * kv_heads, D});
-    at::Tensor q = qkv.narrow(1, 0, heads);
-    const at::Tensor k = qkv.narrow(1, heads, kv_heads);
-    const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
+    // q, k and v: the heads of each row of qkv [T, (heads + 2 kv_heads) * D], as views.
+    const at::Tensor qkv = linear(route, h, lin, n[0]);
+    const int64_t row = qkv.stride(0), at = qkv.storage_offset();
+    at::Tensor q = qkv.as_strided({T, heads, D}, {row, D, 1}, at);
+    const at::Tensor k = qkv.as_strided({T, kv_heads, D}, {row, D, 1}, at + heads * D);
+    const at::Tensor v =
+        qkv.as_strided({T, kv_heads, D}, {row, D, 1}, at + (heads + kv_heads) * D);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     kernels::rotary_kv_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
     kernels::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, block_size,
