@@ -2,7 +2,8 @@
 
 One task runs `await the step's result (the loop keeps serving HTTP) →
 process → schedule and post the next Batch → push this step's deltas`, so the
-model thread computes while the loop streams. It sleeps when there is no work
+model thread computes while the loop streams. On CPU a step of a few streams
+pushes its deltas first (`stream_before_submit`). It sleeps when there is no work
 and wakes on the next arrival. A consumer that goes away
 (CancelledError / GeneratorExit) aborts its request at once; blocks of a step
 in flight are freed when that step returns (the scheduler defers them).
@@ -34,6 +35,7 @@ from app.engine.request import RequestSLO
 from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from app.engine.stats_logger import StatsLogger
+from gpu.dtypes import resolve_device
 from gpu.worker import StepFailed
 
 log = logging.getLogger("ridgeline.engine")
@@ -133,6 +135,13 @@ class AsyncEngine:
         self._lag_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self.step_started: float | None = None
+        # On CPU the forward's ops take both the cores and, between ops, the GIL, so the
+        # loop's Python beside it is not parallel: it delays the forward about as long
+        # as it runs, the model thread waits up to a switch interval for the GIL at the
+        # step's start, and the tokens go out late by a varying amount. A step with at
+        # most DISPATCH_CHUNK outputs therefore streams them, records its stats, and
+        # only then posts the next step; larger ones stream while the next one runs.
+        self.stream_before_submit = resolve_device(core.config.device).type == "cpu"
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -298,6 +307,13 @@ class AsyncEngine:
                 # 3. Shed what can no longer make its deadline; post the next step
                 #    before streaming this one's outputs.
                 done.outputs.extend(core.shed_expired())
+                if self.stream_before_submit and len(done.outputs) <= DISPATCH_CHUNK:
+                    await self._dispatch(done.outputs)
+                    await asyncio.sleep(0)  # the woken handlers write their chunks now
+                    self._record(done.stats)
+                    in_flight = self._submit_next()
+                    self.metrics.overhead.inc(time.monotonic() - got_result)
+                    continue
                 in_flight = self._submit_next()
                 # 4. Record the step's stats (the model thread waited this long for us).
                 self.metrics.overhead.inc(time.monotonic() - got_result)
