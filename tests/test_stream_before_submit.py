@@ -1,5 +1,5 @@
-"""On CPU a step of a few streams writes its chunks before the next step is posted
-(`AsyncEngine.stream_before_submit`); larger steps stream while the next one runs.
+"""On CPU a step writes its chunks before the next step is posted
+(`AsyncEngine.stream_before_submit`); otherwise they stream while the next one runs.
 
 Checked on the real server (loopback, tiny random model): the same text either way and
 as the offline engine gives, every consumer has taken its delta by the time the next
@@ -117,15 +117,16 @@ def test_same_text_either_way(server, prompts, offline, on, streams):
     assert_idle_and_clean(server)
 
 
-def test_a_few_streams_are_written_before_the_next_step(server, prompts):
+@pytest.mark.parametrize("streams", [3, DISPATCH_CHUNK + 4])
+def test_streams_are_written_before_the_next_step(server, prompts, streams):
     pending = watch_submits(server)
     try:
-        run_streams(server, prompts[:3])
+        run_streams(server, prompts[:streams])
         assert len(pending) >= MAX_TOKENS
         assert max(pending) == 0, pending
         set_mode(server, False)  # the other order: the step's tokens go out after it
         pending.clear()
-        run_streams(server, prompts[:3])
+        run_streams(server, prompts[:streams])
         assert max(pending) > 0, pending
     finally:
         set_mode(server, True)

@@ -2,8 +2,8 @@
 
 One task runs `await the step's result (the loop keeps serving HTTP) →
 process → schedule and post the next Batch → push this step's deltas`, so the
-model thread computes while the loop streams. On CPU a step of a few streams
-pushes its deltas first (`stream_before_submit`). It sleeps when there is no work
+model thread computes while the loop streams (on a GPU; on CPU the deltas go
+out first: `stream_before_submit`). It sleeps when there is no work
 and wakes on the next arrival. A consumer that goes away
 (CancelledError / GeneratorExit) aborts its request at once; blocks of a step
 in flight are freed when that step returns (the scheduler defers them).
@@ -135,12 +135,10 @@ class AsyncEngine:
         self._lag_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self.step_started: float | None = None
-        # On CPU the forward's ops take both the cores and, between ops, the GIL, so the
-        # loop's Python beside it is not parallel: it delays the forward about as long
-        # as it runs, the model thread waits up to a switch interval for the GIL at the
-        # step's start, and the tokens go out late by a varying amount. A step with at
-        # most DISPATCH_CHUNK outputs therefore streams them, records its stats, and
-        # only then posts the next step; larger ones stream while the next one runs.
+        # On CPU the forward takes every core torch may use and, between its ops, the
+        # GIL: the loop's Python beside it only delays it and sends tokens late by
+        # varying amounts. So there a step's outputs go out (and its stats are recorded)
+        # before the next step is posted (`benchmarks/conc1_itl_ab.py`).
         self.stream_before_submit = resolve_device(core.config.device).type == "cpu"
 
     # -- lifecycle ----------------------------------------------------------------
@@ -284,7 +282,8 @@ class AsyncEngine:
     async def _loop(self) -> None:
         """Step forever. The next step is posted before this step's outputs are sent,
         so the model thread computes while the loop streams (the next batch depends
-        only on the scheduler, which `process` has already updated)."""
+        only on the scheduler, which `process` has already updated); on CPU after
+        them (`stream_before_submit`)."""
         core = self.core
         in_flight: tuple[ScheduledStep, asyncio.Future] | None = None
         try:
@@ -307,7 +306,7 @@ class AsyncEngine:
                 # 3. Shed what can no longer make its deadline; post the next step
                 #    before streaming this one's outputs.
                 done.outputs.extend(core.shed_expired())
-                if self.stream_before_submit and len(done.outputs) <= DISPATCH_CHUNK:
+                if self.stream_before_submit:
                     await self._dispatch(done.outputs)
                     await asyncio.sleep(0)  # the woken handlers write their chunks now
                     self._record(done.stats)
