@@ -138,7 +138,10 @@ async def drive(urls: list[str], prompts: int, input_len: int, output_len: int):
 
     rng = random.Random(0)
     got: dict[str, list[list[float]]] = {u: [] for u in urls}
-    async with aiohttp.ClientSession() as session:
+    # A fresh connection per request: a server closes one idle past its keep-alive.
+    connector = aiohttp.TCPConnector(force_close=True)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for i in range(prompts + 1):  # the first round warms both servers up
             prompt = [rng.randrange(100, 40000) for _ in range(input_len)]
             for url in (urls if i % 2 == 0 else urls[::-1]):
