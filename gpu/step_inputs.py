@@ -65,8 +65,10 @@ def stage_eager_step(batch: Batch, staging: Staging, tables: DeviceBlockTable,
         fields.append((flat, INT))
     else:
         width = min(-(-max(batch.context_lens) // block_size), tables.width)
-        rows, cols, blocks = flatten_updates(batch.table_updates)
-        fields += [(batch.table_rows, LONG), (rows, LONG), (cols, LONG), (blocks, INT)]
+        fields.append((batch.table_rows, LONG))
+        if batch.table_updates:  # most decode steps add no block
+            rows, cols, blocks = flatten_updates(batch.table_updates)
+            fields += [(rows, LONG), (cols, LONG), (blocks, INT)]
     sampled = logit_rows(batch, qsl)
     if sampled is not None:
         fields.append((sampled, LONG))
@@ -75,9 +77,10 @@ def stage_eager_step(batch: Batch, staging: Staging, tables: DeviceBlockTable,
     if batch.table_rows is None:
         block_tables = rest.pop(0).view(batch.num_seqs, width)
     else:
-        table_rows, *update = rest[:4]
-        rest = rest[4:]
-        tables.update(*update)
+        table_rows, *rest = rest
+        if batch.table_updates:
+            tables.update(*rest[:3])
+            rest = rest[3:]
         block_tables = tables.gather(table_rows, width)
     attention = AttentionInputs(
         slot_mapping=slots, query_start_loc=starts, context_lens=context_lens,

@@ -44,8 +44,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
-
+from app.engine.eigen_clip import clip_eigenvalues
 from app.engine.errors import QueueFull
 from app.engine.request import Request, RequestSLO
 
@@ -119,8 +118,7 @@ class StepTimeModel:
         self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
         self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(3)] for i in range(3)]
         if sum(self.p[i][i] for i in range(3)) > P_MAX:  # some direction may be past it
-            values, vectors = np.linalg.eigh(np.array(self.p))
-            self.p = (vectors * np.minimum(values, P_MAX) @ vectors.T).tolist()
+            self.p = clip_eigenvalues(self.p, P_MAX)
         self.samples += 1
 
     @property

@@ -2,7 +2,8 @@
 
 One task runs `await the step's result (the loop keeps serving HTTP) →
 process → schedule and post the next Batch → push this step's deltas`, so the
-model thread computes while the loop streams. It sleeps when there is no work
+model thread computes while the loop streams (on a GPU; on CPU the deltas go
+out first: `stream_before_submit`). It sleeps when there is no work
 and wakes on the next arrival. A consumer that goes away
 (CancelledError / GeneratorExit) aborts its request at once; blocks of a step
 in flight are freed when that step returns (the scheduler defers them).
@@ -11,7 +12,6 @@ in flight are freed when that step returns (the scheduler defers them).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 import uuid
@@ -22,8 +22,6 @@ from app.engine.errors import (
     EngineDead,
     InvalidParameter,
     QueueFull,
-    RequestFailed,
-    RequestShed,
 )
 from app.engine.input_processor import InputProcessor
 from app.engine.loras import LoRAAdapter, adapters_in_use, stats_note, unload
@@ -31,9 +29,11 @@ from app.engine.metrics import Metrics
 from app.engine.outputs import RequestOutput, StepStats
 from app.engine.plan import cache_config_info, plan_report
 from app.engine.request import RequestSLO
+from app.engine.request_stream import RequestGroup, RequestStream, labelled
 from app.engine.roofline import RooflineTracker
 from app.engine.sampling_params import SamplingParams
 from app.engine.stats_logger import StatsLogger
+from gpu.dtypes import resolve_device
 from gpu.worker import StepFailed
 
 log = logging.getLogger("ridgeline.engine")
@@ -42,74 +42,6 @@ log = logging.getLogger("ridgeline.engine")
 STEP_STALL_SECONDS = 60.0
 # Streams woken per loop iteration when a step's outputs are handed out.
 DISPATCH_CHUNK = 8
-
-
-class RequestGroup:
-    """The n sequences a client asked for with one request (the server queues each as
-    its own request): vLLM's `request_params_n` and `request_max_num_generation_tokens`
-    are observed once, when the last of them ends."""
-
-    def __init__(self, n: int):
-        self.n = self.remaining = n
-        self.max_generation_tokens = 0
-
-    def end(self, generated: int) -> bool:
-        """One sequence ended; True when it was the last."""
-        self.max_generation_tokens = max(self.max_generation_tokens, generated)
-        self.remaining -= 1
-        return self.remaining == 0
-
-
-def _labelled(stream: RequestStream) -> dict[str, str]:
-    """The client's own id, for the request's log lines."""
-    return {} if stream.label is None else {"client_request_id": stream.label}
-
-
-class RequestStream:
-    """What a caller iterates: the request's deltas, ending with a finished one.
-
-    It keeps the caller's context (`contextvars`), so the engine's log lines about the
-    request carry what the caller bound for its logs (the server binds x_request_id).
-    `call_id` names every sequence of one client call (its n choices, its prompts): what
-    the caller was given to abort it by; `label` is the id the client chose, if any, which
-    names nothing in the engine (two clients may choose the same)."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, max_tokens: int = 0,
-                 group: RequestGroup | None = None, call_id: str | None = None,
-                 label: str | None = None):
-        self.request_id = request_id
-        self.call_id = call_id or request_id
-        self.label = label
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._engine = engine
-        self.last_token_time: float | None = None
-        self.finished = False
-        self.max_tokens = max_tokens
-        self.group = group or RequestGroup(1)
-        self.context = contextvars.copy_context()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await self.queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                if item.error is not None:  # finished with finish_reason "error" or "shed"
-                    self.finished = True
-                    if item.finish_reason == "shed":
-                        raise RequestShed(item.error, self._engine.core.predicted_wait())
-                    raise RequestFailed(item.error)
-                yield item
-                if item.finished:
-                    self.finished = True
-                    return
-        finally:
-            if not self.finished:  # consumer left early: cancelled, closed, disconnected
-                self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -133,6 +65,11 @@ class AsyncEngine:
         self._lag_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self.step_started: float | None = None
+        # On CPU the forward takes every core torch may use and, between its ops, the
+        # GIL: the loop's Python beside it only delays it and sends tokens late by
+        # varying amounts. So there a step's outputs go out (and its stats are recorded)
+        # before the next step is posted (`benchmarks/conc1_itl_ab.py`).
+        self.stream_before_submit = resolve_device(core.config.device).type == "cpu"
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -241,7 +178,7 @@ class AsyncEngine:
             log.info("request aborted", extra={"request_id": request_id})
         else:  # in its caller's context, as `request finished`
             stream.context.run(log.info, "request aborted",
-                               extra={"request_id": request_id} | _labelled(stream))
+                               extra={"request_id": request_id} | labelled(stream))
             self._end_of_sequence(stream, out)
             if not stream.finished:
                 stream.finished = True
@@ -275,7 +212,8 @@ class AsyncEngine:
     async def _loop(self) -> None:
         """Step forever. The next step is posted before this step's outputs are sent,
         so the model thread computes while the loop streams (the next batch depends
-        only on the scheduler, which `process` has already updated)."""
+        only on the scheduler, which `process` has already updated); on CPU after
+        them (`stream_before_submit`)."""
         core = self.core
         in_flight: tuple[ScheduledStep, asyncio.Future] | None = None
         try:
@@ -298,6 +236,13 @@ class AsyncEngine:
                 # 3. Shed what can no longer make its deadline; post the next step
                 #    before streaming this one's outputs.
                 done.outputs.extend(core.shed_expired())
+                if self.stream_before_submit:
+                    await self._dispatch(done.outputs)
+                    await asyncio.sleep(0)  # the woken handlers write their chunks now
+                    self._record(done.stats)
+                    in_flight = self._submit_next()
+                    self.metrics.overhead.inc(time.monotonic() - got_result)
+                    continue
                 in_flight = self._submit_next()
                 # 4. Record the step's stats (the model thread waited this long for us).
                 self.metrics.overhead.inc(time.monotonic() - got_result)
@@ -380,7 +325,7 @@ class AsyncEngine:
             extra={"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
                    "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
                    "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
-                   "preemptions": m.num_preemptions} | _labelled(stream),
+                   "preemptions": m.num_preemptions} | labelled(stream),
         )
 
     def _end_of_sequence(self, stream: RequestStream, out: RequestOutput) -> None:

@@ -20,8 +20,8 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
 from app.config import ServerSettings
-from app.engine.async_engine import RequestGroup, RequestStream
 from app.engine.outputs import RequestOutput
+from app.engine.request_stream import RequestGroup, RequestStream
 from app.engine.sampling_params import SamplingParams
 from app.server.deadlines import request_slo
 from app.server.errors import APIError, error_body

@@ -121,12 +121,17 @@ class TorchAttentionBackend(AttentionBackend):
         self.cascade_built = (capabilities.amx and capabilities.has("cascade_decode_amx_")
                               and head_dim % 32 == 0)
         self.cascades = self.cascade_built  # tests and benchmarks compare with it off
+        self._constants: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        self._arange: dict[torch.device, torch.Tensor] = {}
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
 
     def prepare(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
         qlens = inputs.query_lens_list
+        if inputs.max_query_len == 1:  # every row decodes: one group, the batch in order
+            return TorchAttentionMetadata(inputs.slot_mapping, [self._decode_all(inputs)],
+                                          len(qlens))
         decode = [i for i, q in enumerate(qlens) if q == 1]
         prefill = [i for i, q in enumerate(qlens) if q != 1]
         groups = [self._group(inputs, idx) for idx in (decode, prefill) if idx]
@@ -174,6 +179,50 @@ class TorchAttentionBackend(AttentionBackend):
         if not g.identity or g.shared is not None:
             return None
         return meta.slot_mapping, g.block_tables, g.context_lens
+
+    def _decode_all(self, inputs: AttentionInputs) -> _Group:
+        """`_group` of a decode-only batch, every row in order, with fewer ops: no row
+        index to gather through, the step's own context lengths and tables (already
+        int32, contiguous) where they are whole, and the index constants made once per
+        batch size. The same fields and values as `_group` gives."""
+        b = len(inputs.query_lens_list)
+        rows, rows32, ones32, valid = self._row_constants(b, inputs.slot_mapping.device)
+        num_blocks = -(-inputs.max_context_len // self.block_size)
+        l_max = num_blocks * self.block_size
+        ctx = inputs.context_lens
+        query_pos = (ctx - 1).long()[:, None]
+        allowed = self._positions(l_max, ctx.device)[None, None, :] <= query_pos[:, :, None]
+        tables = inputs.block_tables
+        if tables.shape[1] != num_blocks or tables.dtype != torch.int32:
+            tables = tables[:, :num_blocks].to(torch.int32)
+        tables = tables.contiguous()
+        if ctx.dtype != torch.int32:
+            ctx = ctx.to(torch.int32)
+        shared = None
+        if self.cascades:
+            shared = find_shared_prefix(tables, inputs.context_lens_list, self.block_size)
+        return _Group(rows[:, None], tables.flatten().long(), allowed, query_pos, rows, valid,
+                      b, 1, l_max, True, tables, ctx.contiguous(), rows32, ones32, shared)
+
+    def _row_constants(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Row indices (int64, int32), ones (int32) and an all-true [b, 1] mask for a
+        batch of `b`: never written, so shared by every step of that size."""
+        key = (b, device)
+        if key not in self._constants:
+            rows = torch.arange(b, device=device)
+            self._constants[key] = (rows, rows.to(torch.int32),
+                                    torch.ones(b, dtype=torch.int32, device=device),
+                                    torch.ones(b, 1, dtype=torch.bool, device=device))
+        return self._constants[key]
+
+    def _positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """`arange(length)` as a slice of one kept tensor, grown when a step needs more."""
+        kept = self._arange.get(device)
+        if kept is None or kept.numel() < length:
+            kept = self._arange[device] = torch.arange(max(length, 2 * (0 if kept is None
+                                                                        else kept.numel())),
+                                                       device=device)
+        return kept[:length]
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchAttentionMetadata,
                 sliding_window: int | None = None, rotary=None):
