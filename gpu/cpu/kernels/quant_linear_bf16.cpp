@@ -61,10 +61,10 @@ constexpr int kPairedBlocks = 2;  // blocks whose dot-product chains run side by
 constexpr int64_t kLevelDwords = 4 * kPanel;
 constexpr int64_t kRecord = kLevelDwords + kPanel;
 constexpr int64_t kScales = kLevelDwords, kMins = kLevelDwords + kPanel / 2;
-// Records ahead of the one being read that the loop asks the cache for: one row's dot
-// products leave the core waiting on memory unless the loads are asked for early
-// (`benchmarks/cpu_quant_bf16_ab.py` times the distance).
-constexpr int64_t kPrefetchRecords = 8;
+// Records ahead of the one being read that the loop asks L2 for: at one row the loads
+// wait on memory unless asked for early, and asking L2 (not L1) leaves the L1 fill
+// buffers to the loads themselves.
+constexpr int64_t kPrefetchRecords = 4;
 
 // bf16(i & 15) for i < 32: the word table vpermw indexes with bits 0-4.
 alignas(64) constexpr uint16_t kLevels[32] = {
@@ -114,13 +114,13 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
   }
 }
 
-// Asks for the records `kPrefetchRecords` ahead of block b's, up to `end` (past the
+// Asks L2 for the record `kPrefetchRecords` ahead of block b's, up to `end` (past the
 // call's last record).
 inline void prefetch(const uint32_t* q, int64_t b, const uint32_t* end) {
   if constexpr (kPrefetchRecords > 0) {
     const auto* at = reinterpret_cast<const char*>(q + (b + kPrefetchRecords) * kRecord);
     for (int64_t line = 0; line < kRecord * 4; line += 64)
-      if (at + line < reinterpret_cast<const char*>(end)) _mm_prefetch(at + line, _MM_HINT_T0);
+      if (at + line < reinterpret_cast<const char*>(end)) _mm_prefetch(at + line, _MM_HINT_T1);
   }
 }
 
