@@ -41,9 +41,9 @@ def build(kernels, variants):
             q, _w = random_weight(n, k, fmt)
             panels = PanelBlocks.of(QuantizedWeight(fmt, *q))
             weights[name].append((*panels.tensors, n))
-            dot_weights[name].append((panels.dot_blocks(), n))
+            dot_weights[name].append((panels.dot_pairs(), *panels.tensors[1:], n))
     ops = {v: getattr(kernels, OPS[v]) for v in variants}
-    # The dot kernel reads its own copy of the blocks (`PanelBlocks.dot_blocks`).
+    # The dot kernel reads its own regrouping of the levels (`PanelBlocks.dot_pairs`).
     return {v: dot_weights if v == "dot" else weights for v in variants}, ops
 
 

@@ -119,10 +119,10 @@ class PackedLinear(nn.Module):
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
                         if plan.dot_max_rows else None)
-        # Its own copy of the blocks, levels with f16 scales and mins in one stream (the
-        # float32 kernel reads the panels, the Q4_1 AMX kernel its own copy below).
-        self._dot_args = ((self.quantized.dot_blocks(), self.out_features)
-                          if plan.dot_max_rows else ())
+        # Its levels regrouped for it (the panels' bytes once more: the float32 kernel
+        # reads the panels, the Q4_1 AMX kernel its own copy below).
+        self._dot_args = ((self.quantized.dot_pairs(), *self.quantized.tensors[1:],
+                           self.out_features) if plan.dot_max_rows else ())
         self.amx_rows = plan.amx_rows
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
                         if plan.amx_rows is not None else None)
@@ -148,7 +148,7 @@ class PackedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer holds: packed copy, blocks (with their dot-product copy and
+        """Bytes this layer holds: packed copy, blocks (with their dot-product pairs and
         their AMX copy), plain weight."""
         packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
         blocks = 0 if self.quantized is None else self.quantized.nbytes

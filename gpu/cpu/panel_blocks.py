@@ -48,17 +48,14 @@ class PanelBlocks:
                 for t in (q.scales, q.mins) if t is not None]
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
-    def dot_blocks(self) -> torch.Tensor:
-        """Q4_1 blocks as the AVX512-BF16 kernel reads them (`quant_linear_bf16.cpp`):
-        int32 [panels, K/32, 160], per panel and block one record, so a one-row call
-        reads one contiguous stream. Its first 128 dwords are the levels, per chunk c
-        and output n one dword whose low half holds k = 4c + i + 16 and high half
-        k = 4c + i in nibble i (the same bytes as the panels' levels, regrouped so that
-        a shift and a table lookup give a vector of bf16 pairs of one output each); then
-        the block's 32 scales and 32 mins as f16, exact (`of` checks that they are f16
-        values)."""
+    def dot_pairs(self) -> torch.Tensor:
+        """Q4_1's levels as the AVX512-BF16 kernel reads them (`quant_linear_bf16.cpp`):
+        int32 [panels, K/32, 4, 32], per chunk c and output n one dword whose low half
+        holds k = 4c + i + 16 and high half k = 4c + i in nibble i. The same bytes as
+        the panels' levels, regrouped so that a shift and a table lookup give a vector of
+        bf16 pairs of one output each."""
         if self.format != "q4_1":
-            raise ValueError(f"dot_blocks: Q4_1 only, not {self.format}")
+            raise ValueError(f"dot_pairs: Q4_1 only, not {self.format}")
         q = self.tensors[0]  # [panels, K/32, 16 (j), 32]: k = j low nibble, j + 16 high
         panels, blocks = q.shape[:2]
         q = q.view(panels, blocks, 4, 4, PANEL).to(torch.int64)  # [.., c, i, n], j = 4c + i
@@ -66,10 +63,7 @@ class PanelBlocks:
         low = ((q >> 4) << shifts).sum(3)  # k = j + 16
         high = ((q & 0x0F) << shifts).sum(3)  # k = j
         dwords = low | (high << 16)
-        levels = torch.where(dwords >= 2**31, dwords - 2**32, dwords).to(torch.int32)
-        halves = [t.half().flatten().view(torch.int32).view(panels, blocks, PANEL // 2)
-                  for t in self.tensors[1:]]
-        return torch.cat([levels.view(panels, blocks, 4 * PANEL), *halves], dim=2).contiguous()
+        return torch.where(dwords >= 2**31, dwords - 2**32, dwords).to(torch.int32).contiguous()
 
     @property
     def nbytes(self) -> int:

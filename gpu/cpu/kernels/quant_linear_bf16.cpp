@@ -9,13 +9,9 @@
 // shifts, four word table lookups and four dot products. The levels 0..15 are exact in
 // bf16, and so is x of a bf16 model.
 //
-// Layout (`PanelBlocks.dot_blocks`, repacked at load from the panels of quant_blocks.h):
-// per panel and block one record of kRecord = 160 dwords (640 bytes, ten cache lines),
-// so a panel's weights are one contiguous stream. Its first 128 dwords are the levels:
-// per chunk c < 4, one dword per output n, its low word holding the levels of
-// k = 4c + i + 16 and its high word those of k = 4c + i in nibble i (i < 4). Then the
-// block's 32 scales and 32 mins as f16 (16 dwords each), as the GGUF stores them:
-// vcvtph2ps widens them to the exact float32 values the float32 kernel reads.
+// Layout (`PanelBlocks.dot_pairs`, repacked at load from the panels of quant_blocks.h):
+// per panel, block and chunk c < 4, one dword per output n, its low word holding the
+// levels of k = 4c + i + 16 and its high word those of k = 4c + i in nibble i (i < 4).
 // A 64-byte load is 16 outputs' dwords; shifted right by 4s per word, each word has
 // nibble s in its bits 0-3, and a word table lookup (vpermw reads bits 0-4 of each word;
 // the table repeats bf16(0..15) twice, so bit 4 is don't-care) makes lane n the pair
@@ -30,10 +26,13 @@
 // k = j + 16, and the kernel keeps that kernel's order of k per block and its
 // d * sum(q x) + m * sum(x) per block. Differences only where vdpbf16ps treats bf16
 // denormal inputs as zero and flushes denormal results (below 1.2e-38), and for NaN
-// payloads; the float32 sums are rounded to bf16 to nearest even (vcvtneps2bf16). The
-// scales and mins are the same values (f16 widened exactly; `PanelBlocks.of` refuses
-// others), applied in the same order.
+// payloads; the float32 sums are rounded to bf16 to nearest even (vcvtneps2bf16).
 // The row counts this path takes: gpu/cpu/routing.py (`BF16_DOT_MAX_ROWS`).
+//
+// Read-ahead: at one row a block's loads wait on memory unless asked for early, so the
+// loop asks L2 (not L1: that leaves the L1 fill buffers to the loads themselves) for the
+// levels, scales and mins kPrefetchBlocks blocks ahead, across panels (each stream is
+// contiguous over a call's panels), and past the last one.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,15 +55,7 @@ using namespace quant;
 
 constexpr int kMaxRows = 4;  // rows of x per call this kernel takes
 constexpr int kPairedBlocks = 2;  // blocks whose dot-product chains run side by side
-// A block's record in dwords: 4 chunks x 32 outputs of level pairs, 32 f16 scales, 32 f16
-// mins (`PanelBlocks.dot_blocks`).
-constexpr int64_t kLevelDwords = 4 * kPanel;
-constexpr int64_t kRecord = kLevelDwords + kPanel;
-constexpr int64_t kScales = kLevelDwords, kMins = kLevelDwords + kPanel / 2;
-// Records ahead of the one being read that the loop asks L2 for: at one row the loads
-// wait on memory unless asked for early, and asking L2 (not L1) leaves the L1 fill
-// buffers to the loads themselves.
-constexpr int64_t kPrefetchRecords = 4;
+constexpr int64_t kPrefetchBlocks = 4;  // blocks read ahead (`benchmarks/cpu_quant_bf16_ab.py`)
 
 // bf16(i & 15) for i < 32: the word table vpermw indexes with bits 0-4.
 alignas(64) constexpr uint16_t kLevels[32] = {
@@ -75,12 +66,7 @@ alignas(64) constexpr uint16_t kLevels[32] = {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// 16 f16 values from a record, widened exactly to float32.
-inline __m512 halves(const uint32_t* at) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-}
-
-// Each row's sum of q x over NB consecutive blocks (q: the first block's record, xr: its
+// Each row's sum of q x over NB consecutive blocks (q: the first block's dwords, xr: its
 // x pairs, row stride xs), qx[nb][t][half]. One chain per block, row and output half,
 // k in quant_linear.cpp's order (j, j + 16 for j = 0..15): vdpbf16ps adds its lane's
 // high product, then its low one, each rounded once, as the float32 kernel's two FMAs
@@ -94,8 +80,8 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
   for (int c = 0; c < 4; ++c) {
     __m512i raw[NB][2];
     for (int nb = 0; nb < NB; ++nb) {
-      raw[nb][0] = _mm512_loadu_si512(q + nb * kRecord + c * kPanel);
-      raw[nb][1] = _mm512_loadu_si512(q + nb * kRecord + c * kPanel + 16);
+      raw[nb][0] = _mm512_loadu_si512(q + (nb * 4 + c) * kPanel);
+      raw[nb][1] = _mm512_loadu_si512(q + (nb * 4 + c) * kPanel + 16);
     }
     for (int s = 0; s < 4; ++s)
       for (int nb = 0; nb < NB; ++nb) {
@@ -114,49 +100,56 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
   }
 }
 
-// Asks L2 for the record `kPrefetchRecords` ahead of block b's, up to `end` (past the
-// call's last record).
-inline void prefetch(const uint32_t* q, int64_t b, const uint32_t* end) {
-  if constexpr (kPrefetchRecords > 0) {
-    const auto* at = reinterpret_cast<const char*>(q + (b + kPrefetchRecords) * kRecord);
-    for (int64_t line = 0; line < kRecord * 4; line += 64)
-      if (at + line < reinterpret_cast<const char*>(end)) _mm_prefetch(at + line, _MM_HINT_T1);
+// Asks L2 for block `block` of the call (panel-major over every panel): its levels (8
+// lines), scales and mins (2 lines each). Past the call's last block these are addresses
+// of other memory or none: a prefetch never faults, and the addresses are formed as
+// integers, so no pointer leaves its tensor.
+inline void read_ahead(const uint32_t* qp, const float* d, const float* m, int64_t block) {
+  const auto line = [](const void* base, int64_t offset) {
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset),
+                 _MM_HINT_T1);
+  };
+  for (int64_t i = 0; i < 8; ++i) line(qp, block * kPanel * 4 * 4 + 64 * i);
+  for (int64_t i = 0; i < 2; ++i) {
+    line(d, block * kPanel * 4 + 64 * i);
+    line(m, block * kPanel * 4 + 64 * i);
   }
 }
 
-// T rows of x against panel p: records the panels' blocks, xp [T][K/2] packed x pairs,
-// x_sums [T][K/32]; out: T rows of the panel's outputs (row stride os), `cols` of them
-// real. acc += d * sum(q x) + m * sum(x), block by block in order.
+// T rows of x against panel p: qp the dot pairs, d and m the scales and mins, xp [T][K/2]
+// packed x pairs, x_sums [T][K/32]; out: T rows of the panel's outputs (row stride os),
+// `cols` of them real. acc += d * sum(q x) + m * sum(x), block by block in order.
 template <int T>
-inline void panel(const uint32_t* records, const uint32_t* end, int64_t K, int64_t p,
+inline void panel(const uint32_t* qp, const float* d, const float* m, int64_t K, int64_t p,
                   const uint32_t* xp, const float* x_sums, c10::BFloat16* out, int64_t os,
                   int64_t cols) {
   const int64_t blocks = K / kBlock;
   const __m512i table = _mm512_load_si512(kLevels);
-  const uint32_t* q = records + p * blocks * kRecord;  // [blocks][kRecord]
   __m512 acc[T][2];
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   auto add = [&](int64_t b, const __m512 (&qx)[T][2]) {
-    const uint32_t* r = q + b * kRecord;
-    const __m512 d0 = halves(r + kScales), d1 = halves(r + kScales + 8);
-    const __m512 m0 = halves(r + kMins), m1 = halves(r + kMins + 8);
+    const int64_t at = (p * blocks + b) * kPanel;
+    const __m512 d0 = _mm512_loadu_ps(d + at), d1 = _mm512_loadu_ps(d + at + 16);
+    const __m512 m0 = _mm512_loadu_ps(m + at), m1 = _mm512_loadu_ps(m + at + 16);
     for (int t = 0; t < T; ++t) {
       const __m512 xs = _mm512_set1_ps(x_sums[t * blocks + b]);
       acc[t][0] = _mm512_fmadd_ps(m0, xs, _mm512_fmadd_ps(d0, qx[t][0], acc[t][0]));
       acc[t][1] = _mm512_fmadd_ps(m1, xs, _mm512_fmadd_ps(d1, qx[t][1], acc[t][1]));
     }
   };
+  const uint32_t* q = qp + p * blocks * kPanel * 4;  // [blocks][4 chunks][32 outputs]
+  const int64_t ahead = p * blocks + kPrefetchBlocks;
   int64_t b = 0;
   for (; b + kPairedBlocks <= blocks; b += kPairedBlocks) {
-    for (int nb = 0; nb < kPairedBlocks; ++nb) prefetch(q, b + nb, end);
+    for (int nb = 0; nb < kPairedBlocks; ++nb) read_ahead(qp, d, m, ahead + b + nb);
     __m512 qx[kPairedBlocks][T][2];
-    block_products<T, kPairedBlocks>(q + b * kRecord, xp + b * 16, K / 2, table, qx);
+    block_products<T, kPairedBlocks>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     for (int nb = 0; nb < kPairedBlocks; ++nb) add(b + nb, qx[nb]);
   }
   for (; b < blocks; ++b) {
-    prefetch(q, b, end);
+    read_ahead(qp, d, m, ahead + b);
     __m512 qx[1][T][2];
-    block_products<T, 1>(q + b * kRecord, xp + b * 16, K / 2, table, qx);
+    block_products<T, 1>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     add(b, qx[0]);
   }
   __mmask16 k0, k1;
@@ -193,21 +186,26 @@ void pack_x(const at::Tensor& x, std::vector<uint32_t>& xp, std::vector<float>& 
 
 namespace ridgeline_cpu {
 
-// x [M <= 4, K] bf16 @ W.T for the Q4_1 weight whose records `blocks` holds (int32
-// [panels, K/32, 160], `PanelBlocks.dot_blocks`), N real outputs: bf16 [M, N]. External
-// linkage, so C++ callers (a fused decode layer) can call it without the dispatcher.
-at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& blocks, int64_t N) {
+// x [M <= 4, K] bf16 @ W.T for the Q4_1 weight given by `PanelBlocks.dot_pairs` (qpairs)
+// and the panels' scales and mins, N real outputs: bf16 [M, N]. External linkage, so C++
+// callers (a fused decode layer) can call it without the dispatcher.
+at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
+                            const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_bf16";
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   (x.stride(1) == 1 || x.size(1) <= 1),
               op, ": x must be bfloat16 [M, K] with contiguous rows, got ", x.scalar_type(),
               " ", x.sizes(), " strides ", x.strides());
   TORCH_CHECK(x.size(0) <= kMaxRows, op, ": x has ", x.size(0), " rows, at most ", kMaxRows);
-  TORCH_CHECK(blocks.scalar_type() == at::kInt && blocks.dim() == 3 && blocks.is_contiguous() &&
-                  blocks.size(2) == kRecord,
-              op, ": blocks must be contiguous int32 [panels, K/32, ", kRecord,
-              "] (PanelBlocks.dot_blocks), got ", blocks.scalar_type(), " ", blocks.sizes());
-  const int64_t panels = blocks.size(0), K = blocks.size(1) * kBlock, M = x.size(0);
+  TORCH_CHECK(qpairs.scalar_type() == at::kInt && qpairs.dim() == 4 && qpairs.is_contiguous() &&
+                  qpairs.size(2) == 4 && qpairs.size(3) == kPanel,
+              op, ": qpairs must be contiguous int32 [panels, K/32, 4, 32] (PanelBlocks.dot_pairs), got ",
+              qpairs.scalar_type(), " ", qpairs.sizes());
+  const int64_t panels = qpairs.size(0), K = qpairs.size(1) * kBlock, M = x.size(0);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
+                op, ": scales and mins must be contiguous float32 [panels, K/32, 32]");
   TORCH_CHECK(x.size(1) == K, op, ": x has K = ", x.size(1), " but the weight has K = ", K);
   TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, op, ": N = ", N,
               " does not fill ", panels, " panels of 32 outputs");
@@ -216,19 +214,20 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& blocks, int64
   static thread_local std::vector<uint32_t> xp;
   static thread_local std::vector<float> sums;
   pack_x(x, xp, sums);
-  const auto* records = reinterpret_cast<const uint32_t*>(blocks.const_data_ptr<int32_t>());
-  const uint32_t* end = records + blocks.numel();
+  const auto* qp = reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>());
+  const float* d = scales.const_data_ptr<float>();
+  const float* mn = mins.const_data_ptr<float>();
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   // ~64k weights per task at least, as quant_linear.cpp.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
   const uint32_t* xp_ptr = xp.data();
   const float* sums_ptr = sums.data();
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t stop) {
-    for (int64_t p = begin; p < stop; ++p) {
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       with_rows<kMaxRows>(M, [&](auto T) {
-        panel<decltype(T)::value>(records, end, K, p, xp_ptr, sums_ptr, out_ptr + p * kPanel,
-                                  N, cols);
+        panel<decltype(T)::value>(qp, d, mn, K, p, xp_ptr, sums_ptr, out_ptr + p * kPanel, N,
+                                  cols);
       });
     }
   });
@@ -239,7 +238,7 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& blocks, int64
 
 // Registered only where AVX512-BF16 and VBMI were compiled in: callers look it up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("q4_1_linear_bf16(Tensor x, Tensor blocks, int N) -> Tensor");
+  m.def("q4_1_linear_bf16(Tensor x, Tensor qpairs, Tensor scales, Tensor mins, int N) -> Tensor");
   m.impl("q4_1_linear_bf16", c10::DispatchKey::CPU, TORCH_FN(ridgeline_cpu::q4_1_linear_bf16));
 }
 #endif
