@@ -103,11 +103,13 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
 // Asks L2 for block `block` of the call (panel-major over every panel): its levels (8
 // lines), scales and mins (2 lines each). Past the call's last block these are addresses
 // of other memory or none: a prefetch never faults, and the addresses are formed as
-// integers, so no pointer leaves its tensor.
+// integers, so no pointer leaves its tensor. prefetcht1 is written as asm: GCC 12's
+// dead-code elimination drops `_mm_prefetch` from this loop when its address is guarded,
+// and may where it is not.
 inline void read_ahead(const uint32_t* qp, const float* d, const float* m, int64_t block) {
   const auto line = [](const void* base, int64_t offset) {
-    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset),
-                 _MM_HINT_T1);
+    const auto* at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
+    asm volatile("prefetcht1 %0" : : "m"(*at));
   };
   for (int64_t i = 0; i < 8; ++i) line(qp, block * kPanel * 4 * 4 + 64 * i);
   for (int64_t i = 0; i < 2; ++i) {
