@@ -119,18 +119,20 @@ def test_no_rows_and_bad_inputs() -> None:
 
 @needs_op
 def test_packed_linear_takes_it_for_one_row_of_a_bf16_layer() -> None:
-    """Routing wired: a bf16 layer with Q4_1 blocks sends one row to the dot-product
-    kernel and two rows to the float32 blocks kernel; a float32 layer never takes it."""
+    """Routing wired: a bf16 layer with Q4_1 blocks (no AMX) sends one to three rows to
+    the dot-product kernel and four to the float32 blocks kernel; a float32 layer never
+    takes it."""
     from gpu.cpu.linear import PackedLinear
 
     qweight, scales, mins = random_q4_1(96, 576)
     q = QuantizedWeight("q4_1", qweight, scales, mins)
     exact = dequant_q4_1(qweight, scales, mins)
     layer = PackedLinear(exact.bfloat16(), quantized=q, kernels=KERNELS)
-    assert layer.plan.dot_max_rows == 1 and layer.quantized_max_rows >= 2
+    assert layer.plan.dot_max_rows == 3 and layer.quantized_max_rows >= 4
     args, fp32 = pairs(qweight, scales, mins), panels(qweight, scales, mins)
-    x = torch.randn(2, 576).bfloat16()
-    assert torch.equal(layer(x[:1]), KERNELS.q4_1_linear_bf16(x[:1], *args))
+    x = torch.randn(4, 576).bfloat16()
+    for rows in (1, 3):
+        assert torch.equal(layer(x[:rows]), KERNELS.q4_1_linear_bf16(x[:rows], *args))
     assert torch.equal(layer(x), KERNELS.q4_1_linear(x, *fp32))
     assert PackedLinear(exact, quantized=q, kernels=KERNELS).plan.dot_max_rows == 0
 

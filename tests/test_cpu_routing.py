@@ -60,10 +60,11 @@ TABLE = [
     (AVX512_BF16, F32, None, True, 64, PACKED),
     # bf16 with bf16 arithmetic: the widened blocks for the fewest rows, then oneDNN's bf16.
     (AVX512_BF16, BF16, "q4_1", False, 1, DOT),
-    (AVX512_BF16, BF16, "q4_1", False, 2, B),
+    (AVX512_BF16, BF16, "q4_1", False, 3, DOT),
+    (AVX512_BF16, BF16, "q4_1", False, 4, B),
     (NO_DOT, BF16, "q4_1", False, 1, B),  # a library built without AVX512-BF16
     (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply
-    (AVX512_BF16, BF16, "q4_1", True, 2, B),
+    (AVX512_BF16, BF16, "q4_1", True, 4, B),
     (AMX, F32, "q4_1", False, 1, B),  # the dot product is for bf16 x only
     (AVX512, BF16, "q4_1", False, 1, B),  # widened: a float32 multiply
     (AVX512_BF16, BF16, "q4_1", False, 6, B),
@@ -73,9 +74,9 @@ TABLE = [
     (AVX512_BF16, BF16, None, False, 1, PACKED),
     (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply: exact
     # ... and with AMX: the tile unit for the middle rows, the Q8_0 LM head's from two.
-    (AMX, BF16, "q4_1", False, 1, DOT),  # one row: the bf16 dot-product kernel
-    (AMX, BF16, "q4_1", False, 2, B),
-    (AMX, BF16, "q4_1", False, 3, AMX_),
+    (AMX, BF16, "q4_1", False, 1, DOT),  # the fewest rows: the bf16 dot-product kernel
+    (AMX, BF16, "q4_1", False, 3, DOT),
+    (AMX, BF16, "q4_1", False, 4, AMX_),
     (AMX, BF16, "q4_1", False, 128, AMX_),
     (AMX, BF16, "q4_1", False, 129, PACKED),
     (AMX, BF16, "q8_0", False, 1, B),

@@ -14,8 +14,9 @@ The routes, in the order a call tries them:
   rows the kernel's FMAs, not memory, bound it, and oneDNN's packed matmul wins.
 - `blocks_bf16`: a bf16 model's Q4_1 blocks through the AVX512-BF16 dot-product kernel
   (`quant_linear_bf16.cpp`), for the fewest rows: exact as `blocks` (bf16 levels times
-  bf16 x, summed in float32), fewer instructions to widen the weights, which is what
-  binds one row; from two rows its dot products cost more than `blocks`' FMAs.
+  bf16 x, summed in float32), fewer instructions to widen the weights, and its blocks
+  read ahead of use; to three rows it beats `blocks` and `amx`, from four the tile unit
+  wins.
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
   every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
@@ -56,10 +57,10 @@ BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
 # bf16 with AMX: calls of these many rows run on the tile unit, and the widened blocks
 # keep only the calls below; above, oneDNN's packed bf16 is as fast or faster. The Q8_0
 # LM head sees as many rows as the step has sequences (a prefill's last tokens too).
-AMX_ROWS = {"q4_1": range(3, 129), "q8_0": range(2, 97)}
+AMX_ROWS = {"q4_1": range(4, 129), "q8_0": range(2, 97)}
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
-BF16_DOT_MAX_ROWS = {"q4_1": 1}
+BF16_DOT_MAX_ROWS = {"q4_1": 3}
 
 
 class Route(str, Enum):

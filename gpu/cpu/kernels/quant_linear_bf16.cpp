@@ -28,6 +28,11 @@
 // denormal inputs as zero and flushes denormal results (below 1.2e-38), and for NaN
 // payloads; the float32 sums are rounded to bf16 to nearest even (vcvtneps2bf16).
 // The row counts this path takes: gpu/cpu/routing.py (`BF16_DOT_MAX_ROWS`).
+//
+// Read-ahead: at one row a block's loads wait on memory unless asked for early, so the
+// loop asks L2 (not L1: that leaves the L1 fill buffers to the loads themselves) for the
+// levels, scales and mins kPrefetchBlocks blocks ahead, across panels (each stream is
+// contiguous over a call's panels), and past the last one.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,6 +56,7 @@ using namespace quant;
 
 constexpr int kMaxRows = 4;  // rows of x per call this kernel takes
 constexpr int kPairedBlocks = 2;  // blocks whose dot-product chains run side by side
+constexpr int64_t kPrefetchBlocks = 4;  // blocks read ahead (`benchmarks/cpu_quant_bf16_ab.py`)
 
 // bf16(i & 15) for i < 32: the word table vpermw indexes with bits 0-4.
 alignas(64) constexpr uint16_t kLevels[32] = {
@@ -95,6 +101,24 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
   }
 }
 
+// Asks L2 for block `block` of the call (panel-major over every panel): its levels (8
+// lines), scales and mins (2 lines each). Past the call's last block these are addresses
+// of other memory or none: a prefetch never faults, and the addresses are formed as
+// integers, so no pointer leaves its tensor. prefetcht1 is written as asm: GCC 12's
+// dead-code elimination drops `_mm_prefetch` from this loop when its address is guarded,
+// and may where it is not.
+inline void read_ahead(const uint32_t* qp, const float* d, const float* m, int64_t block) {
+  const auto line = [](const void* base, int64_t offset) {
+    const auto* at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
+    asm volatile("prefetcht1 %0" : : "m"(*at));
+  };
+  for (int64_t i = 0; i < 8; ++i) line(qp, block * kPanel * 4 * 4 + 64 * i);
+  for (int64_t i = 0; i < 2; ++i) {
+    line(d, block * kPanel * 4 + 64 * i);
+    line(m, block * kPanel * 4 + 64 * i);
+  }
+}
+
 // T rows of x against panel p: qp the dot pairs, d and m the scales and mins, xp [T][K/2]
 // packed x pairs, x_sums [T][K/32]; out: T rows of the panel's outputs (row stride os),
 // `cols` of them real. acc += d * sum(q x) + m * sum(x), block by block in order.
@@ -117,13 +141,16 @@ inline void panel(const uint32_t* qp, const float* d, const float* m, int64_t K,
     }
   };
   const uint32_t* q = qp + p * blocks * kPanel * 4;  // [blocks][4 chunks][32 outputs]
+  const int64_t ahead = p * blocks + kPrefetchBlocks;
   int64_t b = 0;
   for (; b + kPairedBlocks <= blocks; b += kPairedBlocks) {
+    for (int nb = 0; nb < kPairedBlocks; ++nb) read_ahead(qp, d, m, ahead + b + nb);
     __m512 qx[kPairedBlocks][T][2];
     block_products<T, kPairedBlocks>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     for (int nb = 0; nb < kPairedBlocks; ++nb) add(b + nb, qx[nb]);
   }
   for (; b < blocks; ++b) {
+    read_ahead(qp, d, m, ahead + b);
     __m512 qx[1][T][2];
     block_products<T, 1>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     add(b, qx[0]);
@@ -162,6 +189,9 @@ void pack_x(const at::Tensor& x, std::vector<uint32_t>& xp, std::vector<float>& 
 
 namespace kernels {
 
+// x [M <= 4, K] bf16 @ W.T for the Q4_1 weight given by `PanelBlocks.dot_pairs` (qpairs)
+// and the panels' scales and mins, N real outputs: bf16 [M, N] (entry_points.h: the fused
+// decode call runs it without the dispatcher).
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_bf16";
