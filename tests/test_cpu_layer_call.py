@@ -4,8 +4,8 @@ the module path, on a tiny random bf16 Llama whose linears hold Q4_1 blocks.
 The fused call runs the module path's kernels in its order, so every decode step's
 hidden states, logits, greedy ids and KV pools must be the module path's bit for bit.
 Two copies of the pools run the same steps, one with the fused call on, one off; the
-counter shows the fused call ran where it applies (decode-only steps of one row: the
-dot-product kernel; two: the widened blocks; three: AMX where the CPU has it) and not
+counter shows the fused call ran where it applies (decode-only steps of one to three
+rows: the dot-product kernel; four: AMX where the CPU has it) and not
 where it does not (a prefill, a prefill beside a decode, a model it does not take):
 those run the module path.
 """
@@ -149,21 +149,21 @@ def test_fused_decode_is_the_module_path_bit_for_bit():
     for _ in range(6):  # one-row decode steps: the fused call
         nxt = both({0: [nxt[0]]}, fused_rows=True)
     nxt |= both({1: [9, 8, 7]}, fused_rows=False)
-    for _ in range(3):  # two decode rows: the widened blocks
+    for _ in range(3):  # two decode rows: the dot-product kernel still
         nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=True)
     nxt |= both({0: [nxt[0]], 2: [1, 2, 3, 4]}, fused_rows=False)  # decode beside a prefill
     for _ in range(3):  # one row again
         nxt |= both({2: [nxt[2]]}, fused_rows=True)
-    for _ in range(4):  # three rows: AMX where the CPU has it, else the widened blocks
-        nxt = both({s: [nxt[s]] for s in range(3)}, fused_rows=True)
+    nxt |= both({3: [11, 12]}, fused_rows=False)
+    for _ in range(4):  # four rows: AMX where the CPU has it, else the widened blocks
+        nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=True)
     assert ops.layer_calls == 16
 
 
 def test_each_row_count_takes_the_linears_route():
     call = LayerCall.of(tiny_model(), CAPS.op("decode_layers_bf16"))
-    assert call.route(1) == 0  # the AVX512-BF16 dot-product kernel
-    assert call.route(2) == 1  # the widened blocks
-    assert call.route(3) == (2 if CAPS.amx else 1)
+    assert [call.route(r) for r in (1, 2, 3)] == [0, 0, 0]  # the AVX512-BF16 dot product
+    assert call.route(4) == (2 if CAPS.amx else 1)  # AMX, else the widened blocks
     assert call.route(4096) is None  # oneDNN's packed weight: the module path
 
 
@@ -181,7 +181,7 @@ def test_models_it_does_not_take_run_their_layers():
 
 def test_smollm2_serves_the_same_greedy_ids_with_the_fused_call_on_and_off():
     """The real SmolLM2 (its GGUF's Q4_1 blocks, bf16) through the engine: one request,
-    then three at once (AMX or the widened blocks), the same greedy ids either way, and
+    then four at once (AMX or the widened blocks), the same greedy ids either way, and
     the fused call ran only where it was on."""
     from app.engine.sampling_params import SamplingParams
     from app.llm import LLM
@@ -201,7 +201,8 @@ def test_smollm2_serves_the_same_greedy_ids_with_the_fused_call_on_and_off():
 
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         prompts = ["The capital of France is", "Write a haiku about rain, then explain "
-                   "the imagery line by line for a reader new to the form.", "2 + 2 ="]
+                   "the imagery line by line for a reader new to the form.", "2 + 2 =",
+                   "List three rivers of Europe:"]
         ids, calls = {}, {}
         for on in (True, False):
             before = fuse(on)
