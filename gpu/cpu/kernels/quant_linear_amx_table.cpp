@@ -41,6 +41,7 @@
 
 #include "amx.h"
 #include "entry_points.h"
+#include "prefetch.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -168,12 +169,11 @@ inline void store_transposed(const float* acc, int ld, int rows, int64_t cols,
     _mm256_mask_storeu_epi16(out + i * N, mask, (__m256i)_mm512_cvtneps_pbh(r[i]));
 }
 
+// Block g's lines into L1: its levels (8 lines), scales and mins (2 lines each).
 inline void prefetch_block(const uint8_t* q, const float* d, const float* m, int64_t g) {
-  for (int64_t o = 0; o < kPanel * 16; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(q + g * kPanel * 16 + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < kPanel * 16; o += 64) prefetch::t0(q, g * kPanel * 16 + o);
   for (const float* s : {d, m})
-    for (int64_t o = 0; o < kPanel; o += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(s + g * kPanel + o), _MM_HINT_T0);
+    for (int64_t o = 0; o < kPanel * 4; o += 64) prefetch::t0(s, g * kPanel * 4 + o);
 }
 
 void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const float* m,
