@@ -95,8 +95,8 @@ struct DecodeWeights : torch::CustomClassHolder {
 };
 
 // The rows of a step sharing a prefix of blocks (gpu/attention/shared_prefix.py's
-// SharedPrefix): `rows` undefined where none do (each row then takes paged_decode),
-// `others` where every row does.
+// SharedPrefix): `rows` absent where none do (each row then takes paged_decode),
+// `others` (and their tables and lengths) absent where every row does.
 struct Shared {
   const std::optional<at::Tensor>& rows;
   int64_t tokens;
@@ -156,6 +156,10 @@ at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Te
   const int64_t T = x.size(0), kv_heads = k_caches[0].size(0), D = k_caches[0].size(2);
   const int64_t heads = w->num_heads;
   const Shared shared{shared_rows, shared_tokens, others, other_tables, other_lens};
+  TORCH_CHECK(others.has_value() == other_tables.has_value() &&
+                  others.has_value() == other_lens.has_value() &&
+                  (shared_rows.has_value() || !others.has_value()),
+              op, ": the other rows come with their tables and lengths, beside a prefix's rows");
   at::Tensor& residual = x;
   // Each op's output in a buffer of the call, rewritten layer by layer (the linears'
   // kernel allocates its own); the final norm's is the result, a tensor of its own.
