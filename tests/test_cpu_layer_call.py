@@ -53,12 +53,12 @@ def q4_1(n: int, k: int, g: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight("q4_1", qweight, scales, mins)
 
 
-def tiny_model() -> DecoderForCausalLM:
+def tiny_model(positions: int = 256) -> DecoderForCausalLM:
     """The tiny Llama in bf16, its linears packed with their blocks (the weights are the
-    blocks' values) as the runner packs a GGUF model's."""
-    cfg = ModelConfig.from_hf_dict(CONFIG)
+    blocks' values) as the runner packs a GGUF model's; RoPE for `positions` positions."""
+    cfg = ModelConfig.from_hf_dict(CONFIG | {"max_position_embeddings": positions})
     g = torch.Generator().manual_seed(0)
-    model = DecoderForCausalLM(cfg, max_positions=256, ops=CpuDecoderOps(CAPS))
+    model = DecoderForCausalLM(cfg, max_positions=positions, ops=CpuDecoderOps(CAPS))
     hidden, inter, head = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes = {"q_proj": (cfg.num_heads * head, hidden), "o_proj": (hidden, cfg.num_heads * head),
               "k_proj": (cfg.num_kv_heads * head, hidden), "gate_proj": (inter, hidden),
@@ -77,7 +77,7 @@ def tiny_model() -> DecoderForCausalLM:
     weights["model.embed_tokens.weight"] = torch.randn(cfg.vocab_size, hidden, generator=g)
     weights["lm_head.weight"] = 0.1 * torch.randn(cfg.vocab_size, hidden, generator=g)
     model = model.to(torch.bfloat16)
-    model.rotary = model.make_rotary(256)
+    model.rotary = model.make_rotary(positions)
     model.load_weights(weights.items())
     pack_linears(model, blocks, CAPS)
     return model.eval()

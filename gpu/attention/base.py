@@ -62,10 +62,10 @@ class AttentionBackend(ABC):
         """
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def one_call_decode(self, meta: Any) -> tuple[torch.Tensor, ...] | None:
-        """(slot_mapping, block_tables, context_lens) of a step where a fused decode call
-        over every layer can stand in for `forward` (None: it cannot;
-        `gpu/cpu/layer_call.py`)."""
+    def one_call_decode(self, meta: Any) -> tuple | None:
+        """(slot_mapping, block_tables, context_lens, then the shared prefix's pieces) of
+        a step where a fused decode call over every layer can stand in for `forward`
+        (None: it cannot; `gpu/cpu/layer_call.py`)."""
         return None
 
     @abstractmethod

@@ -168,17 +168,24 @@ class TorchAttentionBackend(AttentionBackend):
                       inputs.context_lens[idx].to(torch.int32).contiguous(),
                       starts.to(torch.int32), qlens.to(torch.int32), shared)
 
-    def one_call_decode(self, meta: TorchAttentionMetadata) -> tuple[torch.Tensor, ...] | None:
-        """(slot_mapping, block_tables, context_lens) where the step is one group of every
-        row, one token each, and `forward` would take only the C++ paths (RoPE fused with
-        the store, `paged_decode`; no cascade): `gpu/cpu/layer_call.py` then runs the
-        layers in one call with them."""
+    def one_call_decode(self, meta: TorchAttentionMetadata) -> tuple | None:
+        """(slot_mapping, block_tables, context_lens, then the shared prefix's rows, tokens,
+        others, other_tables and other_lens: None, 0 and Nones where no rows share one)
+        where the step is one group of every row, one token each, and `forward` would take
+        only the C++ paths (RoPE fused with the store, `paged_decode`, `_cascade`):
+        `gpu/cpu/layer_call.py` then runs the layers in one call with them. Its caller
+        takes only bf16 pools and models without a sliding window, where `_decode` takes
+        `_cascade` whenever the step has a shared prefix."""
         if self.kernels is None or not self.fuses_rotary or len(meta.groups) != 1:
             return None
         g = meta.groups[0]
-        if not g.identity or g.shared is not None:
+        if not g.identity:
             return None
-        return meta.slot_mapping, g.block_tables, g.context_lens
+        s = g.shared
+        if s is None:
+            return meta.slot_mapping, g.block_tables, g.context_lens, None, 0, None, None, None
+        return (meta.slot_mapping, g.block_tables, g.context_lens, s.rows, s.tokens, s.others,
+                s.other_tables, s.other_lens)
 
     def _decode_all(self, inputs: AttentionInputs) -> _Group:
         """`_group` of a decode-only batch, every row in order, with fewer ops: no row

@@ -16,7 +16,8 @@ It applies to a step where all of these hold, and the module path runs the rest:
   count the linears send to their blocks (`ROUTES`: the bf16 dot-product kernel, the
   widened blocks, AMX; not oneDNN's packed weight), where the attention backend says
   its `forward` would take only its C++ paths (`one_call_decode`: RoPE fused with the
-  KV store, `paged_decode`; no cascade prefix this step), with a bf16 KV pool.
+  KV store, `paged_decode`, or cascade attention where the rows share a prefix of
+  blocks), with a bf16 KV pool.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class LayerCall:
             return None
         return cls(op, model, [n.weight for n in norms], linears)
 
-    def decode_args(self, x: torch.Tensor, ctx) -> tuple[torch.Tensor, ...] | None:
+    def decode_args(self, x: torch.Tensor, ctx) -> tuple | None:
         """The attention metadata the fused call reads (slot_mapping, block_tables,
-        context_lens) where it takes this step (`x` its embeddings, `ctx` its
-        `StepContext`), else None."""
+        context_lens, then the shared prefix's pieces: `one_call_decode`) where it takes
+        this step (`x` its embeddings, `ctx` its `StepContext`), else None."""
         backend = getattr(ctx, "backend", None)  # the model thread's StepContext on CPU
         if backend is None or self.route(x.shape[0]) is None \
                 or ctx.k_caches[0].dtype != torch.bfloat16:
@@ -88,7 +89,7 @@ class LayerCall:
         return backend.one_call_decode(ctx.meta)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx,
-                 decode_args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                 decode_args: tuple) -> torch.Tensor:
         """The final hidden states [T, hidden] (the module path's `forward` result); `x`,
         the embeddings, becomes the residual stream, updated in place as there."""
         backend = ctx.backend

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "amx_attention.h"
+#include "entry_points.h"
 #include "fast_exp.h"
 #include "paged.h"
 #include "reduce.h"
@@ -306,6 +307,10 @@ void cascade(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   }
 }
 
+}  // namespace
+
+namespace kernels {
+
 void cascade_decode_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, const at::Tensor& rows,
@@ -348,12 +353,12 @@ void cascade_decode_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor&
           out);
 }
 
-}  // namespace
+}  // namespace kernels
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("cascade_decode_amx_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, Tensor rows, int prefix, int block_size, "
         "float scale) -> ()");
-  m.impl("cascade_decode_amx_", c10::DispatchKey::CPU, TORCH_FN(cascade_decode_amx_));
+  m.impl("cascade_decode_amx_", c10::DispatchKey::CPU, TORCH_FN(kernels::cascade_decode_amx_));
 }
 #endif

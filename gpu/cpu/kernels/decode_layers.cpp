@@ -23,15 +23,21 @@
 // gpu/cpu/linear.py's PackedLinear binds them for that route's kernel (the same count of
 // tensors each); their N. Per step: x [T, hidden] the embeddings (becomes the residual
 // stream, updated in place, as in the module path), the step's route, cos and sin, the
-// pools and the attention metadata as paged_decode takes them.
+// pools and the attention metadata as paged_decode takes them; where the step's rows
+// share a prefix of blocks (gpu/attention/shared_prefix.py), its pieces: those rows and
+// the prefix's length, the other rows (if any) with their block tables and lengths.
+// Each layer's attention then is TorchAttentionBackend._cascade's: the cascade kernel
+// for the sharing rows, paged_decode for the others, gathered and scattered back.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -88,11 +94,51 @@ struct DecodeWeights : torch::CustomClassHolder {
   }
 };
 
+// The rows of a step sharing a prefix of blocks (gpu/attention/shared_prefix.py's
+// SharedPrefix): `rows` absent where none do (each row then takes paged_decode),
+// `others` (and their tables and lengths) absent where every row does.
+struct Shared {
+  const std::optional<at::Tensor>& rows;
+  int64_t tokens;
+  const std::optional<at::Tensor>& others;
+  const std::optional<at::Tensor>& other_tables;
+  const std::optional<at::Tensor>& other_lens;
+};
+
+// A layer's decode attention into `out` [T, heads, D], as the attention backend's _decode
+// takes it for a bf16 model without a sliding window.
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, const Shared& shared,
+            int64_t block_size, double scale, at::Tensor& out) {
+  if (!shared.rows.has_value()) {
+    kernels::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                              scale, 0, out);
+    return;
+  }
+#ifdef KERNELS_CASCADE_DECODE_AMX
+  kernels::cascade_decode_amx_(out, q, k_cache, v_cache, block_tables, context_lens,
+                               *shared.rows, shared.tokens, block_size, scale);
+  if (shared.others.has_value()) {
+    const at::Tensor& others = *shared.others;
+    out.index_copy_(0, others,
+                    kernels::paged_decode(at::index_select(q, 0, others), k_cache, v_cache,
+                                          *shared.other_tables, *shared.other_lens,
+                                          block_size, scale, 0));
+  }
+#else
+  TORCH_CHECK(false, "decode_layers_bf16: a shared prefix, but no cascade kernel in this build");
+#endif
+}
+
 at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Tensor& x,
                               int64_t route, const at::Tensor& cos, const at::Tensor& sin,
                               at::TensorList k_caches, at::TensorList v_caches,
                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                              const at::Tensor& context_lens, int64_t block_size,
+                              const at::Tensor& context_lens,
+                              const std::optional<at::Tensor>& shared_rows,
+                              int64_t shared_tokens, const std::optional<at::Tensor>& others,
+                              const std::optional<at::Tensor>& other_tables,
+                              const std::optional<at::Tensor>& other_lens, int64_t block_size,
                               double scale) {
   const char* op = "decode_layers_bf16";
   const int64_t layers = static_cast<int64_t>(w->out_features.size()) / kLinears;
@@ -109,6 +155,11 @@ at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Te
   const int64_t per = static_cast<int64_t>(linears.size()) / (kLinears * layers);
   const int64_t T = x.size(0), kv_heads = k_caches[0].size(0), D = k_caches[0].size(2);
   const int64_t heads = w->num_heads;
+  const Shared shared{shared_rows, shared_tokens, others, other_tables, other_lens};
+  TORCH_CHECK(others.has_value() == other_tables.has_value() &&
+                  others.has_value() == other_lens.has_value() &&
+                  (shared_rows.has_value() || !others.has_value()),
+              op, ": the other rows come with their tables and lengths, beside a prefix's rows");
   at::Tensor& residual = x;
   // Each op's output in a buffer of the call, rewritten layer by layer (the linears'
   // kernel allocates its own); the final norm's is the result, a tensor of its own.
@@ -130,8 +181,7 @@ at::Tensor decode_layers_bf16(const c10::intrusive_ptr<DecodeWeights>& w, at::Te
         qkv.as_strided({T, kv_heads, D}, {row, D, 1}, at + (heads + kv_heads) * D);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     kernels::rotary_kv_store_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping);
-    kernels::paged_decode_out(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                              scale, 0, attn);
+    attend(q, k_cache, v_cache, block_tables, context_lens, shared, block_size, scale, attn);
     kernels::add_rms_norm_out(linear(route, attn.view({T, heads * D}), lin + per, n[1]),
                               residual, norms[2 * l + 1], eps, h);
     const at::Tensor gate_up = linear(route, h, lin + 2 * per, n[2]);
@@ -152,7 +202,8 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("decode_layers_bf16(__torch__.torch.classes.ridgeline_cpu.DecodeWeights weights, "
         "Tensor(a!) x, int route, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
         "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale) -> Tensor");
+        "Tensor context_lens, Tensor? shared_rows, int shared_tokens, Tensor? others, "
+        "Tensor? other_tables, Tensor? other_lens, int block_size, float scale) -> Tensor");
   m.impl("decode_layers_bf16", c10::DispatchKey::CPU, TORCH_FN(decode_layers_bf16));
 }
 

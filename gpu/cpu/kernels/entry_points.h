@@ -53,4 +53,14 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N);
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KERNELS_CASCADE_DECODE_AMX
+// cascade_decode_amx.cpp: the rows `rows` of out (the rows of q sharing the first `prefix`
+// keys' blocks); the other rows of out are left as they were.
+void cascade_decode_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, const at::Tensor& rows,
+                         int64_t prefix, int64_t block_size, double scale);
+#endif
+
 }  // namespace kernels
