@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "prefetch.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -79,6 +81,9 @@ struct Q4_1 {
     __m512 d0, d1, m0, m1;
     const uint8_t* q;
   };
+  // No read-ahead (Q8_0's): a bf16 model's one-row Q4_1 calls take quant_linear_bf16,
+  // which reads ahead itself; fp32 models' calls here were not measured with one.
+  static constexpr bool kReadsAhead = false;
   inline Block block(int64_t p, int64_t b) const {
     const int64_t at = (p * (K / kBlock) + b) * kPanel;
     return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), _mm512_loadu_ps(m + at),
@@ -161,10 +166,22 @@ struct Q8_0 {
   struct Block {
     __m512 d0, d1;
     const int8_t* q;
+    const float* d;
   };
   inline Block block(int64_t p, int64_t b) const {
     const int64_t at = (p * (K / kBlock) + b) * kPanel;
-    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), qs + at * kBlock};
+    return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), qs + at * kBlock, d + at};
+  }
+  // Read ahead (quant_linear.cpp's per-block path): line j of the levels kReadAhead
+  // blocks past this one, and with j < 2 line j of their scales, into L2. A thread's
+  // panels are one run of blocks in both streams, so the lines ahead are the ones it
+  // reads next (past its last block they are other memory or none: a prefetch never
+  // faults, prefetch.h forms the addresses as integers).
+  static constexpr bool kReadsAhead = true;
+  static constexpr int64_t kReadAhead = 8;  // blocks (8 KB of levels)
+  static inline void read_ahead(const Block& bl, int j) {
+    prefetch::t1(bl.q, kReadAhead * kBlock * kPanel + 64 * j);
+    if (j < 2) prefetch::t1(bl.d, kReadAhead * kPanel * 4 + 64 * j);
   }
   static inline __m512 level(const int8_t* q) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));

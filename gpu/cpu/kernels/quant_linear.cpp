@@ -15,7 +15,11 @@
 //     kernel is bound by the instructions that widen the weights, not by memory (a
 //     row reads slower than a plain sum would); this drops the per-weight scaling, 4
 //     of 12 such instructions per 64 weights for Q4_1. Past 4 rows the block sums take
-//     more registers than the saved instructions are worth;
+//     more registers than the saved instructions are worth. Q8_0 (the LM head, one
+//     row at a bf16 decode step) reads its blocks ahead into L2 (Q8_0::read_ahead): a
+//     step's other weights have pushed the head's out of cache by the time it runs, and
+//     with the hardware's prefetchers alone the widening waits on memory, well below
+//     the speed of a plain read of the same bytes;
 //   - up to kDirectMaxRows (24) x rows: per tile, each block is widened in registers and
 //     multiplied into the tile's rows (x[m][k] broadcast), never stored. A panel's
 //     weights (12-30 KB) stay in L1/L2 for its second tile;
@@ -106,6 +110,7 @@ inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
     __m512 qx[T][2];
     for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = _mm512_setzero_ps();
     for (int j = 0; j < 16; ++j) {
+      if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
       __m512 lo0, lo1, hi0, hi1;
       W::levels(bl, j, lo0, lo1, hi0, hi1);
       for (int t = 0; t < T; ++t) {
