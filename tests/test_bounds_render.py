@@ -84,10 +84,10 @@ def wait_for_workers(srv: ServerThread, count: int = 2, timeout: float = 20.0,
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # gone, even between the two looks
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 class Probe:
