@@ -12,6 +12,8 @@ those run the module path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -83,32 +85,42 @@ def tiny_model(positions: int = 256) -> DecoderForCausalLM:
     return model.eval()
 
 
-class Run:
-    """One copy of the KV pools and the sequences' block tables, stepped by `step`."""
+def own_blocks(seq: int) -> list[int]:
+    """Four blocks a sequence, none shared."""
+    return [4 * seq + i for i in range(4)]
 
-    def __init__(self, model: DecoderForCausalLM, fused: bool):
+
+class Run:
+    """One copy of the KV pools (`num_blocks`), each sequence's block table given by
+    `table`, stepped by `step`."""
+
+    def __init__(self, model: DecoderForCausalLM, fused: bool,
+                 table: Callable[[int], list[int]] = own_blocks, num_blocks: int = NUM_BLOCKS):
         cfg = model.config
-        self.model, self.fused = model, fused
+        self.model, self.fused, self.table = model, fused, table
         self.backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                              BLOCK, CAPS)
-        shape = self.backend.kv_cache_shape(NUM_BLOCKS)
+        shape = self.backend.kv_cache_shape(num_blocks)
         self.k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
         self.lens: dict[int, int] = {}
 
-    def step(self, new: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence -> its new tokens; returns (hidden, logits of each last token)."""
+    def step(self, new: dict[int, list[int]]):
+        """Sequence -> its new tokens; returns (hidden, logits of each last token, the
+        step's shared prefix or None)."""
         seqs = sorted(new)
         ids, positions, slots, qstart, ctx_lens = [], [], [], [0], []
-        tables = torch.zeros(len(seqs), 4, dtype=torch.int32)
+        width = max(len(self.table(s)) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
         for row, s in enumerate(seqs):
             first = self.lens.get(s, 0)
             self.lens[s] = first + len(new[s])
-            tables[row] = torch.arange(4, dtype=torch.int32) + 4 * s  # 4 blocks a sequence
+            blocks = self.table(s)
+            tables[row] = torch.tensor(blocks + blocks[-1:] * (width - len(blocks)))
             for j, tok in enumerate(new[s]):
                 ids.append(tok)
                 positions.append(first + j)
-                slots.append((4 * s) * BLOCK + first + j)
+                slots.append(blocks[(first + j) // BLOCK] * BLOCK + (first + j) % BLOCK)
             qstart.append(qstart[-1] + len(new[s]))
             ctx_lens.append(self.lens[s])
         inputs = AttentionInputs(
@@ -116,13 +128,14 @@ class Run:
             torch.tensor(ctx_lens, dtype=torch.int32), tables,
             max(len(new[s]) for s in seqs), max(ctx_lens),
             [len(new[s]) for s in seqs], ctx_lens)
-        ctx = StepContext(self.backend, self.backend.prepare(inputs), self.k, self.v)
+        meta = self.backend.prepare(inputs)
+        ctx = StepContext(self.backend, meta, self.k, self.v)
         self.model.ops.fuses_layers = self.fused
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
             last = torch.tensor(qstart[1:]) - 1
             logits = self.model.compute_logits(hidden[last])
-        return hidden, logits
+        return hidden, logits, meta.groups[0].shared
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -138,7 +151,7 @@ def test_fused_decode_is_the_module_path_bit_for_bit():
 
     def both(new: dict[int, list[int]], fused_rows: bool) -> dict[int, int]:
         calls = ops.layer_calls
-        (h1, l1), (h0, l0) = on.step(new), off.step(new)
+        (h1, l1, _), (h0, l0, _) = on.step(new), off.step(new)
         assert ops.layer_calls - calls == fused_rows, new
         assert same(h1, h0) and same(l1, l0)
         for a, b in zip(on.k + on.v, off.k + off.v, strict=True):

@@ -15,12 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention.base import AttentionInputs, StepContext
 from gpu.attention.shared_prefix import MIN_SAVED, MIN_TOKENS
-from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.cpu.decoder_ops import CpuDecoderOps
-from models.decoder import DecoderForCausalLM
-from tests.test_cpu_layer_call import BLOCK, CAPS, same, tiny_model
+from tests.test_cpu_layer_call import BLOCK, CAPS, Run, same, tiny_model
 
 pytestmark = pytest.mark.skipif(
     not (CAPS.has("decode_layers_bf16") and CAPS.bf16_arithmetic and CAPS.amx
@@ -41,56 +38,10 @@ def table(seq: int) -> list[int]:
     return own if seq in OTHERS else list(range(PREFIX_BLOCKS)) + own
 
 
-class Run:
-    """One copy of the KV pools, stepped by `step`."""
-
-    def __init__(self, model: DecoderForCausalLM, fused: bool):
-        cfg = model.config
-        self.model, self.fused = model, fused
-        self.backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                             BLOCK, CAPS)
-        shape = self.backend.kv_cache_shape(NUM_BLOCKS)
-        self.k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
-        self.lens: dict[int, int] = {}
-
-    def step(self, new: dict[int, list[int]]):
-        """Sequence -> its new tokens; returns (hidden, logits of each last token, the
-        step's shared prefix or None)."""
-        seqs = sorted(new)
-        ids, positions, slots, qstart, ctx_lens = [], [], [], [0], []
-        width = PREFIX_BLOCKS + OWN
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for row, s in enumerate(seqs):
-            first = self.lens.get(s, 0)
-            self.lens[s] = first + len(new[s])
-            blocks = table(s)
-            tables[row] = torch.tensor(blocks + blocks[-1:] * (width - len(blocks)))
-            for j, tok in enumerate(new[s]):
-                ids.append(tok)
-                positions.append(first + j)
-                slots.append(blocks[(first + j) // BLOCK] * BLOCK + (first + j) % BLOCK)
-            qstart.append(qstart[-1] + len(new[s]))
-            ctx_lens.append(self.lens[s])
-        inputs = AttentionInputs(
-            torch.tensor(slots), torch.tensor(qstart, dtype=torch.int32),
-            torch.tensor(ctx_lens, dtype=torch.int32), tables,
-            max(len(new[s]) for s in seqs), max(ctx_lens),
-            [len(new[s]) for s in seqs], ctx_lens)
-        meta = self.backend.prepare(inputs)
-        ctx = StepContext(self.backend, meta, self.k, self.v)
-        self.model.ops.fuses_layers = self.fused
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
-            last = torch.tensor(qstart[1:]) - 1
-            logits = self.model.compute_logits(hidden[last])
-        return hidden, logits, meta.groups[0].shared
-
-
 def test_cascade_steps_take_the_fused_call_bit_for_bit():
     model = tiny_model(positions=512)
     ops: CpuDecoderOps = model.ops
-    on, off = Run(model, fused=True), Run(model, fused=False)
+    on, off = (Run(model, fused, table, NUM_BLOCKS) for fused in (True, False))
     g = torch.Generator().manual_seed(1)
     system = torch.randint(0, 512, (PREFIX_BLOCKS * BLOCK,), generator=g).tolist()
 
