@@ -233,22 +233,19 @@ class AsyncEngine:
                     done = core.fail_step(step.scheduled, result.cause)
                 else:
                     done = core.process(step.scheduled, result)
-                # 3. Shed what can no longer make its deadline; post the next step
-                #    before streaming this one's outputs.
+                # 3. Shed what can no longer make its deadline.
                 done.outputs.extend(core.shed_expired())
-                if self.stream_before_submit:
+                streams_first = self.stream_before_submit
+                if streams_first:  # on CPU: outputs and stats before the next step
                     await self._dispatch(done.outputs)
                     await asyncio.sleep(0)  # the woken handlers write their chunks now
                     self._record(done.stats)
-                    in_flight = self._submit_next()
-                    self.metrics.overhead.inc(time.monotonic() - got_result)
-                    continue
+                # 4. Post the next step (the model thread waited this long for us).
                 in_flight = self._submit_next()
-                # 4. Record the step's stats (the model thread waited this long for us).
                 self.metrics.overhead.inc(time.monotonic() - got_result)
-                self._record(done.stats)
-                # 5. Hand the outputs to their streams.
-                await self._dispatch(done.outputs)
+                if not streams_first:  # 5. Record the stats, hand the outputs over.
+                    self._record(done.stats)
+                    await self._dispatch(done.outputs)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the model thread failed: fail every request, go red
