@@ -9,14 +9,17 @@ bit-identical to the float32 checkpoint's (gguf-py computes `d * q + m` in float
 and so does the kernel), so outputs differ from the float32 path only by summation
 order, like any two matmul libraries.
 
-Kept formats (the embedded model's): Q4_1 (32 weights in 16 bytes of nibbles, an f16
-scale `d` and minimum `m`: w = d*q + m) and Q8_0 (32 int8, one f16 scale: w = d*q).
-Other types are simply not kept: those layers use the float32 weights.
+Kept formats, the two the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
+scale `d` and minimum `m`: w = d*q + m) and Q8_0 (32 int8, one scale: w = d*q). Other
+GGUF types (Q4_0, Q4_K, Q5_0, IQ4_NL, IQ4_XS) are rewritten into one of them at
+conversion, exactly (`models/gguf_repack.py`); types with no rewrite are not kept: those
+layers use the dense weights.
 
 On disk: `quantized/weights.safetensors` in the converted directory (a subdirectory,
 so the checkpoint loader never mistakes it for weights), per HF weight name `W`:
 `W.qweight` (uint8 [N, K/2] nibbles, or int8 [N, K]), `W.scales` and for Q4_1
-`W.mins` (float32 [N, K/32], the f16 values widened). Rows are in HF order (the Q/K
+`W.mins` (float32 [N, K/32]: the file's f16 values widened, or their products with
+the K-quants' 6-bit scales). Rows are in HF order (the Q/K
 row permutation undone like the dense tensors').
 """
 
@@ -30,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from models import gguf_repack
 
 if TYPE_CHECKING:
     from gguf import ReaderTensor
@@ -79,25 +84,18 @@ class QuantizedWeight:
 
 
 def blocks_of(t: ReaderTensor, rows: int,
-              permute: Callable[[np.ndarray], np.ndarray] | None) -> dict[str, np.ndarray] | None:
-    """The arrays to keep for one GGUF tensor of `rows` rows, or None for other types.
-    `permute` reorders rows (llama.cpp's Q/K interleave undone)."""
-    kind = t.tensor_type.name.lower()
-    if kind not in FORMATS:
+              permute: Callable[[np.ndarray], np.ndarray] | None
+              ) -> tuple[str, dict[str, np.ndarray]] | None:
+    """One GGUF tensor of `rows` rows in a kernels' format (`models/gguf_repack.py`):
+    (format, arrays), or None for a type with no rewrite. `permute` reorders rows
+    (llama.cpp's Q/K interleave undone)."""
+    kept = gguf_repack.repack(t.tensor_type.name, t.data, rows)
+    if kept is None:
         return None
-    raw = np.asarray(t.data).reshape(rows, -1)  # bytes, blocks in row order
-    per_block = 20 if kind == "q4_1" else 34
-    blocks = raw.reshape(rows, -1, per_block)
-    scales = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    if kind == "q4_1":
-        out = {"mins": blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0],
-               "qweight": blocks[..., 4:].reshape(rows, -1)}
-    else:
-        out = {"qweight": blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)}
-    out["scales"] = scales
+    fmt, out = kept
     if permute is not None:
-        out = {k: permute(v) for k, v in out.items()}
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        out = {k: np.ascontiguousarray(permute(v)) for k, v in out.items()}
+    return fmt, out
 
 
 def save(tensors: dict[str, dict[str, np.ndarray]], formats: dict[str, str],

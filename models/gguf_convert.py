@@ -7,10 +7,10 @@ GGUF support is this one file rather than a second loading path. The tensors are
 written in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and
 the same values the loader would have cast to); float32 is the exact path the parity
 tests use.
-Every conversion also keeps the Q4_1 / Q8_0 weights' blocks as they are
-(`models/gguf_blocks.py`): the CPU's float32 small-batch matmuls read them, the same
-values in a sixth of the bytes, and so do a bf16 model's on a CPU without bf16
-arithmetic (which multiplies in float32, `gpu/cpu/linear.py`).
+Every conversion also keeps the blocks of the weights whose GGUF type the CPU kernels
+read (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4_NL, IQ4_XS: `models/gguf_blocks.py`,
+`models/gguf_repack.py`): the CPU's decode matmuls read them, the same values in a
+fraction of the bytes.
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
@@ -27,6 +27,7 @@ vocab and merges is exactly what its converter already does well.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from models import gguf_blocks
+from models import gguf_blocks, gguf_repack
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -130,7 +131,7 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
         # The float32 weights' exact values (see gguf_blocks), whatever the dtype here.
-        gguf_blocks.save(*_quantized_blocks(reader, config), tmp)
+        gguf_blocks.save(*_quantized_blocks(reader, config, gguf_path), tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -299,18 +300,26 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
     return out
 
 
-def _quantized_blocks(reader: GGUFReader, config: dict[str, Any]) -> tuple[dict, dict]:
-    """The blocks of every Q4_1 / Q8_0 weight (`models/gguf_blocks.py`), by HF name,
-    and each one's format."""
+def _quantized_blocks(reader: GGUFReader, config: dict[str, Any], path: Path
+                      ) -> tuple[dict, dict]:
+    """The blocks of every weight whose type the kernels read (`models/gguf_repack.py`),
+    by HF name, and each one's format. Logs the types left to the dense weights."""
     arch = reader.get_field("general.architecture").contents()
-    tensors, formats = {}, {}
+    tensors, formats, dense = {}, {}, collections.Counter()
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
         rows = int(t.shape[-1]) if len(t.shape) == 2 else 0
-        kept = name and rows and gguf_blocks.blocks_of(
-            t, rows, _row_permutation(t.name, arch, config))
+        if not (name and rows):
+            continue
+        kept = gguf_blocks.blocks_of(t, rows, _row_permutation(t.name, arch, config))
         if kept:
-            tensors[name], formats[name] = kept, t.tensor_type.name.lower()
+            formats[name], tensors[name] = kept
+        elif t.tensor_type.name not in gguf_repack.DENSE_TYPES:
+            dense[t.tensor_type.name] += int(t.n_elements)
+    if dense:
+        log.warning("%s: no CPU kernel reads %s blocks yet: those weights are served "
+                    "dequantized (%s)", path, ", ".join(dense),
+                    ", ".join(f"{k} {n / 1e6:.1f}M weights" for k, n in dense.items()))
     return tensors, formats
 
 

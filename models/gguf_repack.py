@@ -1,0 +1,145 @@
+"""Each GGUF weight type's blocks rewritten, exactly, in one of the kernels' two formats.
+
+The CPU kernels read two block formats (`models/gguf_blocks.py`): `q4_1`, 32 levels of
+4 bits with a float32 scale and minimum (w = d*q + m), and `q8_0`, 32 int8 levels with a
+float32 scale (w = d*q). Most of the types llama.cpp users ship are one of these two
+in other clothes, so they are rewritten at load rather than given kernels of their own:
+
+| GGUF type | as | how |
+| --- | --- | --- |
+| Q4_0 | q4_1 | the same nibbles; m = -8d |
+| Q4_K | q4_1 | per 32: d = d_f16 * sc, m = -(dmin_f16 * mn) (6-bit sc, mn); nibbles re-paired |
+| Q5_0 | q8_0 | the 5-bit level minus 16 as int8 |
+| IQ4_NL | q8_0 | the 4-bit index looked up in the type's 16 int8 values |
+| IQ4_XS | q8_0 | per 32: d = d_f16 * (6-bit scale - 32), levels looked up as IQ4_NL |
+
+Exactness: gguf-py dequantizes each of these in float32 as `d * q` (and `- dm`), with d
+and dm themselves products of an f16 and a small integer, exact in float32. Every scale
+and minimum here is that same product and every level that same integer, so each weight
+the kernels compute (`d * q + m`, or `q * d`) is gguf-py's bit for bit
+(`tests/test_gguf_types.py` checks every type against `gguf.quants.dequantize`).
+The cost is bytes: a Q4_K weight takes 0.75 bytes in q4_1 against 0.5625 in the file,
+an IQ4 or Q5_0 one 1.125 against ~0.56-0.69.
+
+Types not listed (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ types) are not kept as
+blocks: those weights are served from the dequantized checkpoint, and the load says so
+with each type's name and weight count (`models/gguf_convert.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+QK_K = 256  # weights per K-quant super-block
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.int8)
+
+# format -> its arrays per row: q4_1 {"qweight": uint8 [K/2], "scales", "mins": f32 [K/32]},
+# q8_0 {"qweight": int8 [K], "scales": f32 [K/32]}.
+Arrays = dict[str, np.ndarray]
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes at the end of `raw`'s last axis' slice, as float32 values of an f16."""
+    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _pair_nibbles(levels: np.ndarray) -> np.ndarray:
+    """Levels [..., 32] (0-15) as Q4_1's 16 bytes: byte j = level j | level j+16 << 4."""
+    return (levels[..., :16] | (levels[..., 16:] << 4)).astype(np.uint8)
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[str, Arrays]:
+    d = _f16(blocks[..., 0:2])
+    return "q4_1", {"qweight": blocks[..., 2:], "scales": d, "mins": d * np.float32(-8)}
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[str, Arrays]:
+    return "q4_1", {"qweight": blocks[..., 4:], "scales": _f16(blocks[..., 0:2]),
+                    "mins": _f16(blocks[..., 2:4])}
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[str, Arrays]:
+    return "q8_0", {"qweight": blocks[..., 2:].view(np.int8), "scales": _f16(blocks[..., 0:2])}
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's twelve bytes of 6-bit scales and minimums: ([..., 8], [..., 8])."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mn = _k_scales(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)  # 4 runs of 64 weights
+    levels = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., 4, 2, 32]
+    levels = levels.reshape(*blocks.shape[:-1], 8, 32)  # sub-block s = 2 * run + half
+    shape = (*blocks.shape[:-2], -1)
+    return "q4_1", {"qweight": _pair_nibbles(levels).reshape(shape),
+                    "scales": (d[..., None] * sc).reshape(shape),
+                    "mins": -(dmin[..., None] * mn).reshape(shape)}
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[str, Arrays]:
+    d = _f16(blocks[..., 0:2])
+    high = blocks[..., 2:6].copy().view(np.uint32)  # [..., 1]: bit j is level j's fifth
+    low = blocks[..., 6:22]
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=-1).astype(np.int16)
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    return "q8_0", {"qweight": (nibbles | (fifth << 4)) - 16, "scales": d}
+
+
+def _iq4_levels(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of IQ4 indices -> 32 int8 levels (low nibbles first, as in Q4_0)."""
+    return IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
+
+
+def _iq4_nl(blocks: np.ndarray) -> tuple[str, Arrays]:
+    return "q8_0", {"qweight": _iq4_levels(blocks[..., 2:]), "scales": _f16(blocks[..., 0:2])}
+
+
+def _iq4_xs(blocks: np.ndarray) -> tuple[str, Arrays]:
+    d = _f16(blocks[..., 0:2])
+    high = blocks[..., 2:4].copy().view(np.uint16)  # [..., 1]: 2 bits per sub-block
+    low = blocks[..., 4:8]
+    low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*low.shape[:-1], 8)
+    high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    scale = (low | (high << 4)).astype(np.float32) - 32
+    levels = _iq4_levels(blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16))
+    shape = (*blocks.shape[:-2], -1)
+    scales = (d[..., None] * scale).reshape(shape)
+    return "q8_0", {"qweight": levels.reshape(shape), "scales": scales}
+
+
+# GGUF type name -> (weights per block, bytes per block, the rewrite of [rows, blocks, bytes]).
+REPACKERS: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[str, Arrays]]]] = {
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_0": (32, 22, _q5_0),
+    "IQ4_NL": (32, 18, _iq4_nl),
+    "IQ4_XS": (QK_K, 136, _iq4_xs),
+}
+# Types served as the dense checkpoint's values, needing no blocks.
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def repack(type_name: str, raw: np.ndarray, rows: int) -> tuple[str, Arrays] | None:
+    """One GGUF tensor's bytes ([rows, bytes per row], or flat) in a kernels' format, or
+    None where `type_name` has no rewrite. Arrays are [rows, ...], contiguous."""
+    entry = REPACKERS.get(type_name)
+    if entry is None:
+        return None
+    _, per_block, rewrite = entry
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, per_block)
+    fmt, arrays = rewrite(blocks)
+    dtypes = {"qweight": np.uint8 if fmt == "q4_1" else np.int8, "scales": np.float32,
+              "mins": np.float32}
+    return fmt, {k: np.ascontiguousarray(v.reshape(rows, -1), dtype=dtypes[k])
+                 for k, v in arrays.items()}

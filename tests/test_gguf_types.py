@@ -1,0 +1,168 @@
+"""GGUF weight types rewritten into the kernels' two block formats (`models/gguf_repack.py`).
+
+Each type's blocks must give gguf-py's own dequantized values bit for bit: through the
+rewritten blocks' arithmetic (`QuantizedWeight.dequantize`) and through the C++ kernels
+(x = the identity gives the weights themselves). A GGUF written with such tensors
+converts into a checkpoint whose dense weights its blocks decode to exactly, and a type
+with no rewrite is named in the log, never silently widened.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.linear import quantized_max_rows
+from gpu.cpu.panel_blocks import PanelBlocks
+from models import gguf_blocks, gguf_repack
+from models.gguf_blocks import QuantizedWeight
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(
+    KERNELS is None or quantized_max_rows(KERNELS) is None,
+    reason="C++ CPU kernels not built here, or without vector paths")
+
+# Byte offsets of each type's f16 fields, to be set to sane values (random bytes there
+# could be NaN or huge); every other byte of these types is valid whatever its value.
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,),
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """[rows, bytes] of valid random blocks of `type_name` for a [rows, k] weight."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    per, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // per, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        scale = (rng.standard_normal((rows, k // per)) * 0.01).astype(np.float16)
+        raw[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def gguf_values(type_name: str, raw: np.ndarray, rows: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
+    return torch.from_numpy(values.reshape(rows, -1))
+
+
+def rewritten(type_name: str, raw: np.ndarray, rows: int) -> QuantizedWeight:
+    fmt, arrays = gguf_repack.repack(type_name, raw, rows)
+    t = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    return QuantizedWeight(fmt, t["qweight"], t["scales"], t.get("mins"))
+
+
+@pytest.mark.parametrize("type_name", sorted(gguf_repack.REPACKERS))
+def test_each_type_decodes_to_gguf_pys_values_exactly(type_name):
+    rows, k = 40, 512
+    raw = random_blocks(type_name, rows, k)
+    q = rewritten(type_name, raw, rows)
+    want = "q4_1" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "q8_0"
+    assert q.format == want and q.out_features == rows
+    assert torch.equal(q.dequantize(), gguf_values(type_name, raw, rows))
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", sorted(gguf_repack.REPACKERS))
+def test_the_kernels_give_each_types_weights_exactly(type_name):
+    """x = identity rows: every output is one weight, d * q (+ m) rounded once."""
+    rows, k = 40, 256
+    raw = random_blocks(type_name, rows, k, seed=1)
+    q = rewritten(type_name, raw, rows)
+    panels = PanelBlocks.of(q)
+    op = getattr(KERNELS, f"{q.format}_linear")
+    eye = torch.eye(k)
+    values = gguf_values(type_name, raw, rows)
+    for part in (slice(0, 1), slice(0, 5), slice(None)):  # per-block, direct, buffered
+        assert torch.equal(op(eye[part], *panels.tensors, rows).T, values[:, part])
+
+
+def test_a_type_without_a_rewrite_is_not_kept():
+    raw = random_blocks("Q6_K", 8, 256)
+    assert gguf_repack.repack("Q6_K", raw, 8) is None
+
+
+def write_quantized_gguf(path, cfg, tensors: dict[str, np.ndarray], types: dict[str, str]):
+    """A llama-architecture GGUF: float32 `tensors` (HF names), each written as its
+    `types` entry (raw blocks, as llama-quantize would leave them) or as float32."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    from models.resolve import default_gguf_path
+    from tests.test_model_loading import gguf_name
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, field in GGUFReader(default_gguf_path()).fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for name, array in tensors.items():
+        kind = types.get(name)
+        if kind is None:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            writer.add_tensor(gguf_name(name), array,
+                              raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(tmp_path, caplog):
+    """Q4_K attention and MLP weights, a Q5_0 and an IQ4_XS one, and a Q6_K down
+    projection (as llama-quantize's Q4_K_M mixes them): the blocks decode to the
+    converted checkpoint exactly; the Q6_K weight is dense and the log names its type."""
+    from transformers import LlamaConfig
+
+    from models.gguf_convert import convert_gguf_to_hf_dir
+    from models.weights import iter_safetensors
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, rms_norm_eps=1e-6)
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256),
+              "self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256),
+              "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+              "mlp.down_proj": (256, 512)}
+    types = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q4_K",
+             "self_attn.v_proj": "Q5_0", "self_attn.o_proj": "IQ4_XS",
+             "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q4_K", "mlp.down_proj": "Q6_K"}
+    tensors: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": np.random.default_rng(0).standard_normal(
+            (49152, 256), dtype=np.float32) * 0.02,
+        "model.norm.weight": np.ones(256, np.float32),
+        "model.layers.0.input_layernorm.weight": np.ones(256, np.float32),
+        "model.layers.0.post_attention_layernorm.weight": np.ones(256, np.float32)}
+    quantized = {}
+    for i, (module, (n, k)) in enumerate(shapes.items()):
+        name = f"model.layers.0.{module}.weight"
+        tensors[name] = random_blocks(types[module], n, k, seed=10 + i)
+        quantized[name] = types[module]
+    path = write_quantized_gguf(tmp_path / "mixed.gguf", cfg, tensors, quantized)
+    with caplog.at_level(logging.WARNING):
+        out = convert_gguf_to_hf_dir(path, tmp_path / "converted", "float32")
+    assert "Q6_K" in caplog.text and "served dequantized" in caplog.text
+    blocks = gguf_blocks.load(out)
+    dense = dict(iter_safetensors(out, torch.float32))
+    assert set(blocks) == {n for n, t in quantized.items() if t != "Q6_K"}
+    assert {n.split(".")[-2]: q.format for n, q in blocks.items()} == {
+        "q_proj": "q4_1", "k_proj": "q4_1", "v_proj": "q8_0", "o_proj": "q8_0",
+        "gate_proj": "q4_1", "up_proj": "q4_1"}
+    for name, q in blocks.items():
+        assert torch.equal(q.dequantize(), dense[name]), name
