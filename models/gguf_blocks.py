@@ -9,15 +9,17 @@ bit-identical to the float32 checkpoint's (gguf-py computes `d * q + m` in float
 and so does the kernel), so outputs differ from the float32 path only by summation
 order, like any two matmul libraries.
 
-Kept formats, the two the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
-scale `d` and minimum `m`: w = d*q + m) and Q8_0 (32 int8, one scale: w = d*q). Other
-GGUF types (Q4_0, Q4_K, Q5_0, IQ4_NL, IQ4_XS) are rewritten into one of them at
-conversion, exactly (`models/gguf_repack.py`); types with no rewrite are not kept: those
-layers use the dense weights.
+Kept formats, the three the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
+scale `d` and minimum `m`: w = d*q + m), Q8_0 (32 int8, one scale: w = d*q) and Q8_16
+(int8 with a scale per 16). The other GGUF types the kernels serve (Q4_0, Q4_K, Q5_0,
+Q3_K, Q6_K, IQ4_NL, IQ4_XS) are rewritten into one of them at conversion, exactly
+(`models/gguf_repack.py`); types with no rewrite are not kept: those layers use the
+dense weights.
 
 On disk: `quantized/weights.safetensors` in the converted directory (a subdirectory,
 so the checkpoint loader never mistakes it for weights), per HF weight name `W`:
-`W.qweight` (uint8 [N, K/2] nibbles, or int8 [N, K]), `W.scales` and for Q4_1
+`W.qweight` (uint8 [N, K/2] nibbles, or int8 [N, K]), `W.scales` ([N, K/32], or
+[N, K/16] for Q8_16) and for Q4_1
 `W.mins` (float32 [N, K/32]: the file's f16 values widened, or their products with
 the K-quants' 6-bit scales). Rows are in HF order (the Q/K
 row permutation undone like the dense tensors').
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 BLOCK = 32  # weights per block, both formats
 SUBDIR, FILE = "quantized", "weights.safetensors"
-FORMATS = ("q4_1", "q8_0")
+FORMATS = ("q4_1", "q8_0", "q8_16")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class QuantizedWeight:
             nibbles = self.qweight.view(rows, -1, BLOCK // 2)
             levels = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).float()  # GGML order
             return (self.scales[..., None] * levels + self.mins[..., None]).reshape(rows, -1)
-        levels = self.qweight.view(rows, -1, BLOCK).float()
+        per_scale = self.qweight.shape[1] // self.scales.shape[1]  # 32, or 16 for q8_16
+        levels = self.qweight.view(rows, -1, per_scale).float()
         return (levels * self.scales[..., None]).reshape(rows, -1)
 
     @staticmethod

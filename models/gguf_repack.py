@@ -1,9 +1,10 @@
-"""Each GGUF weight type's blocks rewritten, exactly, in one of the kernels' two formats.
+"""Each GGUF weight type's blocks rewritten, exactly, in one of the kernels' formats.
 
-The CPU kernels read two block formats (`models/gguf_blocks.py`): `q4_1`, 32 levels of
-4 bits with a float32 scale and minimum (w = d*q + m), and `q8_0`, 32 int8 levels with a
-float32 scale (w = d*q). Most of the types llama.cpp users ship are one of these two
-in other clothes, so they are rewritten at load rather than given kernels of their own:
+The CPU kernels read three block formats (`models/gguf_blocks.py`): `q4_1`, 32 levels
+of 4 bits with a float32 scale and minimum (w = d*q + m); `q8_0`, 32 int8 levels with a
+float32 scale (w = d*q); `q8_16`, int8 levels with a float32 scale per 16. The types
+llama.cpp users ship are these in other clothes, so they are rewritten at conversion
+rather than given kernels of their own:
 
 | GGUF type | as | how |
 | --- | --- | --- |
@@ -12,6 +13,8 @@ in other clothes, so they are rewritten at load rather than given kernels of the
 | Q5_0 | q8_0 | the 5-bit level minus 16 as int8 |
 | IQ4_NL | q8_0 | the 4-bit index looked up in the type's 16 int8 values |
 | IQ4_XS | q8_0 | per 32: d = d_f16 * (6-bit scale - 32), levels looked up as IQ4_NL |
+| Q6_K | q8_16 | per 16: d = d_f16 * (int8 scale); the 6-bit level minus 32 |
+| Q3_K | q8_16 | per 16: d = d_f16 * (6-bit scale - 32); 3-bit level, -4 where hmask is clear |
 
 Exactness: gguf-py dequantizes each of these in float32 as `d * q` (and `- dm`), with d
 and dm themselves products of an f16 and a small integer, exact in float32. Every scale
@@ -19,11 +22,12 @@ and minimum here is that same product and every level that same integer, so each
 the kernels compute (`d * q + m`, or `q * d`) is gguf-py's bit for bit
 (`tests/test_gguf_types.py` checks every type against `gguf.quants.dequantize`).
 The cost is bytes: a Q4_K weight takes 0.75 bytes in q4_1 against 0.5625 in the file,
-an IQ4 or Q5_0 one 1.125 against ~0.56-0.69.
+an IQ4 or Q5_0 one 1.125 against ~0.56-0.69, a Q6_K or Q3_K one 1.25 against 0.82 or
+0.43.
 
-Types not listed (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ types) are not kept as
-blocks: those weights are served from the dequantized checkpoint, and the load says so
-with each type's name and weight count (`models/gguf_convert.py`).
+Types not listed (Q5_1, Q2_K, Q5_K, the other IQ types) are not kept as blocks: those
+weights are served from the dequantized checkpoint, and the conversion says so with
+each type's name and weight count (`models/gguf_convert.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
                       dtype=np.int8)
 
 # format -> its arrays per row: q4_1 {"qweight": uint8 [K/2], "scales", "mins": f32 [K/32]},
-# q8_0 {"qweight": int8 [K], "scales": f32 [K/32]}.
+# q8_0 {"qweight": int8 [K], "scales": f32 [K/32]}, q8_16 {"qweight": int8 [K], "scales":
+# f32 [K/16]}.
 Arrays = dict[str, np.ndarray]
 
 
@@ -116,6 +121,40 @@ def _iq4_xs(blocks: np.ndarray) -> tuple[str, Arrays]:
     return "q8_0", {"qweight": levels.reshape(shape), "scales": scales}
 
 
+def _q6_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    sc, d = blocks[..., 192:208].view(np.int8), _f16(blocks[..., 208:210])
+    # Two runs of 128 weights: ql's 64 bytes give 32 weights per nibble half, qh's 32
+    # bytes two bits per weight for four groups of 32.
+    ql = ql.reshape(*ql.shape[:-1], 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    ql = (ql & 0x0F).reshape(*blocks.shape[:-1], 2, 4, 32)
+    qh = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    levels = (ql | ((qh & 3) << 4)).astype(np.int16) - 32
+    shape = (*blocks.shape[:-2], -1)
+    return "q8_16", {"qweight": levels.reshape(shape),
+                     "scales": (d[..., None] * sc.astype(np.float32)).reshape(shape)}
+
+
+def _q3_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = _f16(blocks[..., 108:110])
+    low = packed[..., 0:8].reshape(*packed.shape[:-1], 1, 8) >> np.array([0, 4], np.uint8
+                                                                         ).reshape(2, 1)
+    high = packed[..., 8:12].reshape(*packed.shape[:-1], 1, 4) >> np.array(
+        [0, 2, 4, 6], np.uint8).reshape(4, 1)
+    scale = ((low.reshape(*packed.shape[:-1], 16) & 0x0F)
+             | ((high.reshape(*packed.shape[:-1], 16) & 3) << 4)).astype(np.float32) - 32
+    low2 = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8
+                                                            ).reshape(4, 1)
+    bit = hmask.reshape(*hmask.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    low2 = (low2 & 3).reshape(*blocks.shape[:-1], 256).astype(np.int16)
+    bit = (bit & 1).reshape(*blocks.shape[:-1], 256).astype(np.int16)
+    levels = low2 - ((bit ^ 1) << 2)  # 4 is taken away where the high bit is clear
+    shape = (*blocks.shape[:-2], -1)
+    return "q8_16", {"qweight": levels.reshape(shape),
+                     "scales": (d[..., None] * scale).reshape(shape)}
+
+
 # GGUF type name -> (weights per block, bytes per block, the rewrite of [rows, blocks, bytes]).
 REPACKERS: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[str, Arrays]]]] = {
     "Q4_0": (32, 18, _q4_0),
@@ -125,6 +164,8 @@ REPACKERS: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[str, Arrays]]]
     "Q5_0": (32, 22, _q5_0),
     "IQ4_NL": (32, 18, _iq4_nl),
     "IQ4_XS": (QK_K, 136, _iq4_xs),
+    "Q6_K": (QK_K, 210, _q6_k),
+    "Q3_K": (QK_K, 110, _q3_k),
 }
 # Types served as the dense checkpoint's values, needing no blocks.
 DENSE_TYPES = ("F32", "F16", "BF16")

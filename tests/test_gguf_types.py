@@ -29,7 +29,9 @@ needs_kernels = pytest.mark.skipif(
 # Byte offsets of each type's f16 fields, to be set to sane values (random bytes there
 # could be NaN or huge); every other byte of these types is valid whatever its value.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_0": (0,),
-              "IQ4_NL": (0,), "IQ4_XS": (0,), "Q6_K": (208,)}
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "Q6_K": (208,), "Q3_K": (108,),
+              "Q5_K": (0, 2)}
+FORMAT = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q4_K": "q4_1", "Q6_K": "q8_16", "Q3_K": "q8_16"}
 
 
 def random_blocks(type_name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -64,8 +66,7 @@ def test_each_type_decodes_to_gguf_pys_values_exactly(type_name):
     rows, k = 40, 512
     raw = random_blocks(type_name, rows, k)
     q = rewritten(type_name, raw, rows)
-    want = "q4_1" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "q8_0"
-    assert q.format == want and q.out_features == rows
+    assert q.format == FORMAT.get(type_name, "q8_0") and q.out_features == rows
     assert torch.equal(q.dequantize(), gguf_values(type_name, raw, rows))
 
 
@@ -85,8 +86,8 @@ def test_the_kernels_give_each_types_weights_exactly(type_name):
 
 
 def test_a_type_without_a_rewrite_is_not_kept():
-    raw = random_blocks("Q6_K", 8, 256)
-    assert gguf_repack.repack("Q6_K", raw, 8) is None
+    raw = random_blocks("Q5_K", 8, 256)
+    assert gguf_repack.repack("Q5_K", raw, 8) is None
 
 
 def write_quantized_gguf(path, cfg, tensors: dict[str, np.ndarray], types: dict[str, str]):
@@ -125,9 +126,10 @@ def write_quantized_gguf(path, cfg, tensors: dict[str, np.ndarray], types: dict[
 
 
 def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(tmp_path, caplog):
-    """Q4_K attention and MLP weights, a Q5_0 and an IQ4_XS one, and a Q6_K down
-    projection (as llama-quantize's Q4_K_M mixes them): the blocks decode to the
-    converted checkpoint exactly; the Q6_K weight is dense and the log names its type."""
+    """Q4_K attention and MLP weights, a Q5_0 and an IQ4_XS one, a Q6_K up projection
+    (as llama-quantize's Q4_K_M mixes them) and a Q5_K down projection: the blocks
+    decode to the converted checkpoint exactly; the Q5_K weight, a type with no rewrite,
+    is dense and the log names its type."""
     from transformers import LlamaConfig
 
     from models.gguf_convert import convert_gguf_to_hf_dir
@@ -142,7 +144,7 @@ def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(tmp_path, caplog
               "mlp.down_proj": (256, 512)}
     types = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q4_K",
              "self_attn.v_proj": "Q5_0", "self_attn.o_proj": "IQ4_XS",
-             "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q4_K", "mlp.down_proj": "Q6_K"}
+             "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
     tensors: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": np.random.default_rng(0).standard_normal(
             (49152, 256), dtype=np.float32) * 0.02,
@@ -157,12 +159,12 @@ def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(tmp_path, caplog
     path = write_quantized_gguf(tmp_path / "mixed.gguf", cfg, tensors, quantized)
     with caplog.at_level(logging.WARNING):
         out = convert_gguf_to_hf_dir(path, tmp_path / "converted", "float32")
-    assert "Q6_K" in caplog.text and "served dequantized" in caplog.text
+    assert "Q5_K" in caplog.text and "served dequantized" in caplog.text
     blocks = gguf_blocks.load(out)
     dense = dict(iter_safetensors(out, torch.float32))
-    assert set(blocks) == {n for n, t in quantized.items() if t != "Q6_K"}
+    assert set(blocks) == {n for n, t in quantized.items() if t != "Q5_K"}
     assert {n.split(".")[-2]: q.format for n, q in blocks.items()} == {
         "q_proj": "q4_1", "k_proj": "q4_1", "v_proj": "q8_0", "o_proj": "q8_0",
-        "gate_proj": "q4_1", "up_proj": "q4_1"}
+        "gate_proj": "q4_1", "up_proj": "q8_16"}
     for name, q in blocks.items():
         assert torch.equal(q.dequantize(), dense[name]), name

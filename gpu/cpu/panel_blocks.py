@@ -36,7 +36,8 @@ class PanelBlocks:
         if q.format == "q4_1" and bool((q.scales.view(torch.int32) & 0xF).any()):
             raise ValueError("q4_1 scales must have at most 20 significant bits (f16 values "
                              "or K-quant products), so that d * q is exact")
-        n, blocks = q.out_features, q.scales.shape[1]
+        n = q.out_features
+        blocks = q.qweight.shape[1] * (2 if q.format == "q4_1" else 1) // BLOCK
         panels = -(-n // PANEL)
 
         def padded(t: torch.Tensor) -> torch.Tensor:
@@ -45,8 +46,8 @@ class PanelBlocks:
 
         per_block = q.qweight.shape[1] // blocks  # bytes: 16 (Q4_1) or 32 (Q8_0)
         qweight = padded(q.qweight).view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
-        rest = [padded(t).view(panels, PANEL, blocks).permute(0, 2, 1)
-                for t in (q.scales, q.mins) if t is not None]
+        rest = [padded(t).view(panels, PANEL, t.shape[1]).permute(0, 2, 1)
+                for t in (q.scales, q.mins) if t is not None]  # Q8_16: 2 scales a block
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
     def dot_pairs(self) -> torch.Tensor:

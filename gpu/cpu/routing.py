@@ -47,13 +47,14 @@ PACKED_MIN_ROWS = 4
 # format the blocks beat oneDNN's packed fp32, by the kernels' vector width (float
 # lanes). Portable builds never take the blocks: their plain loops lose to oneDNN at any
 # row count. The Q8_0 LM head crosses over earlier than the Q4_1 layers: its levels
-# take more bytes and more work to widen.
-QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48}, 8: {"q4_1": 96, "q8_0": 32}}
+# take more bytes and more work to widen; Q8_16 (a Q6_K or Q3_K file's) reads as many.
+QUANTIZED_MAX_ROWS = {16: {"q4_1": 192, "q8_0": 48, "q8_16": 48},
+                      8: {"q4_1": 96, "q8_0": 32, "q8_16": 32}}
 # bf16 on a CPU with bf16 arithmetic: up to this many rows the blocks, multiplied in
 # float32 as a widened layer does, beat oneDNN's packed bf16, which streams the whole
 # bf16 weight whatever the rows. Only AVX-512 builds: an AVX2 CPU has no bf16
 # arithmetic, and there every bf16 layer is widened.
-BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1}}
+BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1, "q8_16": 1}}
 # bf16 with AMX: calls of these many rows run on the tile unit, and the widened blocks
 # keep only the calls below; above, oneDNN's packed bf16 is as fast or faster. The Q8_0
 # LM head sees as many rows as the step has sequences (a prefill's last tokens too).

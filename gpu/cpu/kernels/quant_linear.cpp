@@ -1,4 +1,5 @@
-// x @ W.T on CPU straight from GGUF-quantized weights (Q4_1, Q8_0), fp32 or bf16 activations.
+// x @ W.T on CPU straight from GGUF-quantized weights (Q4_1, Q8_0, Q8_16), fp32 or bf16
+// activations.
 //
 // Why: at decode (a few rows of x) a linear layer is memory-bound on its weight. The
 // embedded SmolLM2 ships Q4_1 linears and a Q8_0 LM head; dequantized to fp32 at load
@@ -107,21 +108,42 @@ inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const auto bl = w.block(p, b);
-    __m512 qx[T][2];
-    for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = _mm512_setzero_ps();
-    for (int j = 0; j < 16; ++j) {
-      if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
-      __m512 lo0, lo1, hi0, hi1;
-      W::levels(bl, j, lo0, lo1, hi0, hi1);
-      for (int t = 0; t < T; ++t) {
-        const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
-        const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
-        qx[t][0] = _mm512_fmadd_ps(hi0, xb, _mm512_fmadd_ps(lo0, xa, qx[t][0]));
-        qx[t][1] = _mm512_fmadd_ps(hi1, xb, _mm512_fmadd_ps(lo1, xa, qx[t][1]));
+    if constexpr (W::kHalfScales) {
+      // A scale per half block: the sums over k = j and k = j + 16 kept apart.
+      __m512 lo[T][2], hi[T][2];
+      for (int t = 0; t < T; ++t) lo[t][0] = lo[t][1] = hi[t][0] = hi[t][1] = _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
+        __m512 lo0, lo1, hi0, hi1;
+        W::levels(bl, j, lo0, lo1, hi0, hi1);
+        for (int t = 0; t < T; ++t) {
+          const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
+          const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
+          lo[t][0] = _mm512_fmadd_ps(lo0, xa, lo[t][0]);
+          lo[t][1] = _mm512_fmadd_ps(lo1, xa, lo[t][1]);
+          hi[t][0] = _mm512_fmadd_ps(hi0, xb, hi[t][0]);
+          hi[t][1] = _mm512_fmadd_ps(hi1, xb, hi[t][1]);
+        }
       }
+      for (int t = 0; t < T; ++t)
+        W::add_halves(bl, lo[t][0], lo[t][1], hi[t][0], hi[t][1], acc[t][0], acc[t][1]);
+    } else {
+      __m512 qx[T][2];
+      for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
+        __m512 lo0, lo1, hi0, hi1;
+        W::levels(bl, j, lo0, lo1, hi0, hi1);
+        for (int t = 0; t < T; ++t) {
+          const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
+          const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
+          qx[t][0] = _mm512_fmadd_ps(hi0, xb, _mm512_fmadd_ps(lo0, xa, qx[t][0]));
+          qx[t][1] = _mm512_fmadd_ps(hi1, xb, _mm512_fmadd_ps(lo1, xa, qx[t][1]));
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        W::add_block(bl, qx[t][0], qx[t][1], x_sums[t * ks + b], acc[t][0], acc[t][1]);
     }
-    for (int t = 0; t < T; ++t)
-      W::add_block(bl, qx[t][0], qx[t][1], x_sums[t * ks + b], acc[t][0], acc[t][1]);
   }
   __mmask16 m0, m1;
   column_masks(cols, m0, m1);
@@ -347,12 +369,28 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return in_float32(w, x, N);
 }
 
+// scales [P, K/16, 32]: two per block, d[p][2b + h][n] (quant_blocks.h's Q8_16).
+at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& qweight,
+                        const at::Tensor& scales, int64_t N) {
+  const int64_t K = check_panels(qweight, at::kChar, kBlock, N, "q8_16_linear");
+  check_x(x, K, "q8_16_linear");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == qweight.size(0) && scales.size(1) == 2 * qweight.size(1) &&
+                  scales.size(2) == kPanel,
+              "q8_16_linear: scales must be contiguous float32 [panels, K/16, 32], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  const Q8_16 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
+  return in_float32(w, x, N);
+}
+
 }  // namespace kernels
 
 // A fragment: paged_decode.cpp owns the library's one TORCH_LIBRARY block.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
+  m.def("q8_16_linear(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear));
   m.impl("q8_0_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_0_linear));
+  m.impl("q8_16_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_16_linear));
 }

@@ -88,8 +88,8 @@ inline void tile_per_block8(const W& w, int64_t p, int g0, const float* x, int64
     for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
-        acc[t][c] = w.add_block8(at, g0 + c, _mm256_add_ps(lo[t][c], hi[t][c]),
-                                 x_sums[t * ks + b], acc[t][c]);
+        acc[t][c] = w.add_block8(at, g0 + c, lo[t][c], hi[t][c], x_sums[t * ks + b],
+                                 acc[t][c]);
   }
 #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
