@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import PackedLinear, pack_linears, quantized_max_rows
+from gpu.cpu.linear import PackedLinear, SplitLinear, pack_linears, quantized_max_rows
 from models import gguf_blocks
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
@@ -153,20 +153,28 @@ def q8_0_of(w: torch.Tensor) -> gguf_blocks.QuantizedWeight:
 
 
 @needs_kernels
-def test_fused_parts_in_mixed_formats_read_the_float32_weight(smollm2_dir):
-    """A GGUF that quantizes v_proj in Q8_0 beside Q4_1 q and k: qkv_proj cannot stack
-    blocks of two formats, so that layer runs without blocks on its float32 weight (the
-    load does not fail), and the layers whose parts agree still read theirs."""
+def test_fused_parts_in_mixed_formats_split_by_format(smollm2_dir):
+    """A GGUF that quantizes v_proj in Q8_0 beside Q4_1 q and k (llama-quantize's K-quant
+    mixes give some layers' v Q6_K beside Q4_K): blocks of two formats cannot stack into
+    one panel set, so qkv_proj becomes a `SplitLinear` of q and k stacked and v alone,
+    each reading its own blocks, with the fused weight's outputs; the layers whose parts
+    agree keep one `PackedLinear`."""
     model = load_model(smollm2_dir)
     blocks = gguf_blocks.load(smollm2_dir)
     v = "model.layers.3.self_attn.v_proj.weight"
     assert blocks[v].format == "q4_1"
     blocks[v] = q8_0_of(blocks[v].dequantize())
-    weight = model.layers[3].self_attn.qkv_proj.weight.detach().clone()
+    fused = model.layers[3].self_attn.qkv_proj.weight
+    with torch.no_grad():
+        fused[576 + 192:] = blocks[v].dequantize()  # v's rows follow q's 576 and k's 192
+    weight = fused.detach().clone()
     pack_linears(model, blocks, KERNELS)
     qkv = model.layers[3].self_attn.qkv_proj
-    assert qkv.quantized is None
-    assert model.layers[3].mlp.gate_up_proj.quantized is not None
-    assert model.layers[4].self_attn.qkv_proj.quantized is not None
-    x = torch.randn(2, 576)
-    torch.testing.assert_close(qkv(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    assert isinstance(qkv, SplitLinear)
+    assert [(p.quantized.format, p.out_features) for p in qkv.parts] == [
+        ("q4_1", 576 + 192), ("q8_0", 192)]
+    assert isinstance(model.layers[3].mlp.gate_up_proj, PackedLinear)
+    assert isinstance(model.layers[4].self_attn.qkv_proj, PackedLinear)
+    for rows in (1, 2, 40):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(qkv(x), x @ weight.T, atol=1e-4, rtol=1e-4)

@@ -30,6 +30,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
@@ -45,7 +46,8 @@ from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, plan_
 from gpu.roofline import QuantizedReads
 from models.gguf_blocks import QuantizedWeight
 
-__all__ = ["AMX_ROWS", "PACKED_MIN_ROWS", "PackedLinear", "multiply_dtype", "pack_linears",
+__all__ = ["AMX_ROWS", "PACKED_MIN_ROWS", "PackedLinear", "SplitLinear", "multiply_dtype",
+           "pack_linears",
            "params_not_needed", "quantized_max_rows", "quantized_reads", "int8_unavailable"]
 
 T = TypeVar("T")
@@ -184,6 +186,27 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
+class SplitLinear(nn.Module):
+    """A fused weight (q, k and v in one qkv) whose parts' blocks came in different formats:
+    a GGUF quantizes each tensor alone, and llama-quantize's K-quant mixes give some
+    layers' v another type than q and k (Q6_K beside Q4_K). Blocks of two formats cannot
+    stack into one panel set, so each part is a `PackedLinear` of its own rows, and a call
+    concatenates their outputs: the same values as one layer, a few more calls."""
+
+    def __init__(self, parts: list[PackedLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]]:
     """Our parameter name -> the values `by_hf` holds for its HF parts, in row order
     (a fused parameter only where every part is there)."""
@@ -200,13 +223,18 @@ def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]
 
 
 def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
-                       ) -> dict[str, QuantizedWeight]:
+                       ) -> dict[str, QuantizedWeight | list[QuantizedWeight]]:
     """Our parameter name -> its quantized blocks, fused parameters stacked from their
-    HF parts in row order (only where every part was kept, in one format: a GGUF may
-    quantize v_proj apart from q and k, and such a layer reads its float32 weight)."""
-    return {name: parts[0] if len(parts) == 1 else QuantizedWeight.stack(parts)
-            for name, parts in _by_parameter(model, quantized).items()
-            if len({p.format for p in parts}) == 1}
+    HF parts in row order where every part was kept in one format, else a list of the
+    runs of parts that share one, each stacked, in row order (a `SplitLinear`)."""
+    def stacked(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        return parts[0] if len(parts) == 1 else QuantizedWeight.stack(parts)
+
+    out: dict[str, QuantizedWeight | list[QuantizedWeight]] = {}
+    for name, parts in _by_parameter(model, quantized).items():
+        runs = [stacked(list(run)) for _, run in itertools.groupby(parts, lambda p: p.format)]
+        out[name] = runs[0] if len(runs) == 1 else runs
+    return out
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
@@ -219,6 +247,12 @@ def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
 
 def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
     return q is not None and _parts_fit([q], weight)
+
+
+def _parts_fit_split(parts: list[QuantizedWeight], weight: torch.Tensor) -> bool:
+    """Whether `parts` (any formats), one under the other, hold `weight`'s shape."""
+    return all(_fits(p, weight[:p.out_features]) for p in parts) \
+        and sum(p.out_features for p in parts) == weight.shape[0]
 
 
 def _parts_fit(parts: list[QuantizedWeight] | None, weight: torch.Tensor) -> bool:
@@ -307,20 +341,32 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and kernels.amx
 
-    def pack(weight: torch.Tensor, name: str) -> PackedLinear:
-        nonlocal count, extra, used, on_amx
+    def packed(weight: torch.Tensor, q: QuantizedWeight | None,
+               float32: torch.Tensor | None) -> PackedLinear:
+        nonlocal used, on_amx
+        layer = PackedLinear(weight, quantized=q, kernels=kernels,
+                             int8_activations=int8_activations, widen=widen, amx=amx,
+                             float32=float32)
+        used += layer.quantized is not None
+        on_amx += layer.amx_rows is not None
+        return layer
+
+    def pack(weight: torch.Tensor, name: str) -> PackedLinear | SplitLinear:
+        nonlocal count, extra
         q = sources.get(name)
-        q = q if _fits(q, weight) else None
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
                              f"{tuple(float32.shape)}, expected {tuple(weight.shape)}")
-        layer = PackedLinear(weight, quantized=q, kernels=kernels,
-                             int8_activations=int8_activations, widen=widen, amx=amx,
-                             float32=float32)
+        if isinstance(q, list) and _parts_fit_split(q, weight):
+            starts = [0, *itertools.accumulate(p.out_features for p in q)]
+            layer = SplitLinear([packed(
+                weight[a:b], part, None if float32 is None else float32[a:b])
+                for part, a, b in zip(q, starts, starts[1:])])
+        else:
+            layer = packed(weight, q if isinstance(q, QuantizedWeight) and _fits(q, weight)
+                           else None, float32)
         count += 1
-        used += layer.quantized is not None
-        on_amx += layer.amx_rows is not None
         # The layer's copies replace the weight, but for the embedding, still needed for
         # the lookup.
         weight_bytes = weight.numel() * weight.element_size()
