@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import torch
 
+from gpu.cpu import isa
+
 Isa = Literal["avx512", "avx2", "portable"]
 ISA_BY_WIDTH: dict[int, Isa] = {16: "avx512", 8: "avx2", 1: "portable"}
 WIDTH_BY_ISA = {isa: width for width, isa in ISA_BY_WIDTH.items()}
@@ -40,10 +42,11 @@ OPS = (
 def onednn() -> tuple[bool, bool]:
     """(oneDNN can pack linear weights, oneDNN multiplies bf16 on this CPU). It packs
     bf16 only where the CPU has bf16 arithmetic (AVX512-BF16, AMX, AVX-NE-CONVERT);
-    elsewhere (AVX2) its reorder raises."""
+    elsewhere (AVX2, or under `RIDGELINE_CPU_ISA=avx2`) its reorder raises or is capped."""
     packing = torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight")
-    return packing, packing and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return packing, packing and isa.bf16_allowed() \
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def describe(capabilities: CpuCapabilities) -> str:
     if c.kernels is None:
         return (f"no C++ kernels; oneDNN packing {'yes' if c.onednn_packing else 'no'}, "
                 f"bf16 arithmetic {'yes' if c.bf16_arithmetic else 'no'}")
-    return (f"kernels {c.isa} ({c.vector_width} float lanes), "
+    capped = f" (capped: {isa.ENV}={isa.cap()})" if isa.cap() != "native" else ""
+    return (f"kernels {c.isa}{capped} ({c.vector_width} float lanes), "
             f"bf16 arithmetic {'yes' if c.bf16_arithmetic else 'no'}, "
             f"int8 {'yes' if c.int8 else 'no'}, AMX {'yes' if c.amx else 'no'}, "
             f"{len(c.ops)} ops")
@@ -111,7 +115,9 @@ def describe(capabilities: CpuCapabilities) -> str:
 
 def resolve(use_kernels: bool = True) -> CpuCapabilities:
     """This host's capabilities: with the C++ kernels built and loaded when `use_kernels`
-    (the `auto` attention backend), else without them (plain torch and oneDNN)."""
+    (the `auto` attention backend), else without them (plain torch and oneDNN), under
+    the instruction-set cap of `RIDGELINE_CPU_ISA` (`gpu/cpu/isa.py`)."""
+    isa.apply()
     if not use_kernels:
         return CpuCapabilities.of(None)
     from gpu.cpu.kernels.build import cpu_kernels

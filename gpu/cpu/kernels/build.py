@@ -1,7 +1,8 @@
 """Build and load the C++ CPU kernels once per machine; None when they cannot be built.
 
 `torch.utils.cpp_extension.load` compiles the `.cpp` files here with the host's own
-instruction set (-march=native) into a cache directory, so only the first process on a
+instruction set (-march=native, or what `RIDGELINE_CPU_ISA` caps it to: `gpu/cpu/isa.py`)
+into a cache directory, so only the first process on a
 machine pays the compile (`benchmarks/first_start.sh` times it with the rest of a fresh
 machine's first start). The library's name carries a digest of everything the
 binary depends on: the sources and headers, the flags, the CPU's model and feature
@@ -31,11 +32,13 @@ from pathlib import Path
 
 import torch
 
+from gpu.cpu import isa
+
 log = logging.getLogger("ridgeline.cpu_kernels")
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
+FLAGS = ["-O3", *isa.march_flags(), "-fopenmp", "-fopenmp-simd", "-ffp-contract=off"]
 
 
 def cache_dir() -> Path:
