@@ -209,11 +209,12 @@ class ModelRunner:
                     self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
             checkpoint = dict(checkpoint)  # by name, for `pack_linears`: views, no copies
-            model.load_weights(checkpoint.items(),
-                               skip=cpu_linear.params_not_needed(model, blocks, kernels))
-            # Logs what its packed copies and the blocks add in host memory.
-            cpu_linear.pack_linears(self.model, blocks, kernels, spec.int8_activations,
-                                    checkpoint)
+            model.load_weights(checkpoint.items(), skip=cpu_linear.params_not_needed(
+                model, blocks, kernels, spec.int8_activations))
+            # Logs what its packed copies and the blocks add in host memory (negative where
+            # a layer holds its blocks alone): the weights are what the layers hold.
+            weights_bytes += cpu_linear.pack_linears(self.model, blocks, kernels,
+                                                     spec.int8_activations, checkpoint)
             block_reads = cpu_linear.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "

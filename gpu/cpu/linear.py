@@ -41,8 +41,8 @@ from torch import nn
 
 from gpu.cpu import routing
 from gpu.cpu.capabilities import CpuCapabilities, onednn
-from gpu.cpu.panel_blocks import PanelBlocks, amx_levels, dequantized
-from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, plan_routes
+from gpu.cpu.panel_blocks import PANEL, PanelBlocks, amx_levels, dequantized
+from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, RoutePlan, plan_routes
 from gpu.roofline import QuantizedReads
 from models.gguf_blocks import QuantizedWeight
 
@@ -53,6 +53,20 @@ __all__ = ["AMX_ROWS", "PACKED_MIN_ROWS", "PackedLinear", "SplitLinear", "multip
 T = TypeVar("T")
 
 log = logging.getLogger("ridgeline.cpu_linear")
+
+
+# Weights widened per slice of a `Route.UNPACKED` call: a scratch buffer of 8 MB in bf16,
+# reused by every layer (the model thread runs one call at a time).
+_UNPACK_ELEMENTS = 1 << 22
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+    """A [rows, cols] view of the thread's scratch buffer for `dtype`, grown as needed."""
+    buffer = _SCRATCH.get(dtype)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = _SCRATCH[dtype] = torch.empty(rows * cols, dtype=dtype)
+    return buffer[:rows * cols].view(rows, cols)
 
 
 def quantized_max_rows(kernels, dtype: torch.dtype = torch.float32) -> dict[str, int] | None:
@@ -71,6 +85,15 @@ def multiply_dtype(dtype: torch.dtype) -> torch.dtype:
     return routing.multiply_dtype(dtype, CpuCapabilities.of(None))
 
 
+def _plan(dtype: torch.dtype, blocks: str | None, capabilities: CpuCapabilities,
+          int8_activations: bool, widen: bool, amx: bool, blocks_only: bool) -> RoutePlan:
+    """A layer's routes, the policy seeing the CPU as the caller asked for it: widened or
+    not, AMX or not."""
+    asked = dataclasses.replace(capabilities, bf16_arithmetic=not widen,
+                                onednn_packing=True, amx=amx and capabilities.amx)
+    return plan_routes(LinearLayer(dtype, blocks, int8_activations, blocks_only), asked)
+
+
 class PackedLinear(nn.Module):
     """A bias-free linear layer holding the weights of the routes its calls can take
     (`routing.plan_routes`): oneDNN's packed weight, the GGUF's blocks in the kernels'
@@ -87,25 +110,28 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
                  quantized: QuantizedWeight | None = None, kernels=None,
                  int8_activations: bool = False, widen: bool = False, amx: bool = False,
-                 float32: torch.Tensor | None = None):
+                 float32: torch.Tensor | None = None, blocks_only: bool = False):
         """`kernels`: `CpuCapabilities`, or the library's ops (None: no C++ kernels).
         `float32`: a widened layer's float32 weight where the caller has it (the
         checkpoint's, which holds the blocks' values); else it is dequantized from the
-        blocks or widened from `weight`."""
+        blocks or widened from `weight`. `blocks_only`: hold no dense copy where the
+        kernels can unpack the blocks for the calls that would read one (`weight` is
+        then read for its shape and dtype only: its values may never have been loaded)."""
         super().__init__()
         capabilities = CpuCapabilities.of(kernels)
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
         self.widen = widen and weight.dtype == torch.bfloat16
         self.io_dtype = weight.dtype  # what calls pass in and get back
-        # The policy sees the CPU as the caller asked for it: widened or not, AMX or not.
-        asked = dataclasses.replace(capabilities, bf16_arithmetic=not self.widen,
-                                    onednn_packing=True, amx=amx and capabilities.amx)
-        layer = LinearLayer(weight.dtype, quantized.format if quantized is not None else None,
-                            int8_activations)
-        plan = plan_routes(layer, asked)
+        plan = _plan(weight.dtype, quantized.format if quantized is not None else None,
+                     capabilities, int8_activations, self.widen, amx,
+                     blocks_only and quantized is not None)
         narrow = weight if self.widen else None
-        if self.widen:
+        # Calls past the blocks' kernels: the blocks unpacked per call, in this dtype.
+        self._unpack_op = (capabilities.op(f"{quantized.format}_unpack")
+                           if plan.unpacked else None)
+        self._unpack_dtype = torch.float32 if self.widen else weight.dtype
+        if self.widen and plan.packed:
             weight = (float32 if float32 is not None
                       else dequantized(quantized, capabilities) if quantized is not None
                       else weight.float())
@@ -170,6 +196,9 @@ class PackedLinear(nn.Module):
         if self.amx_rows is not None and rows in self.amx_rows:
             out = self._amx_op(x.reshape(rows, self.in_features), *self._amx_args)
             return out.view(*x.shape[:-1], self.out_features)
+        if self._unpack_op is not None:
+            out = self._unpacked(x.reshape(rows, self.in_features))
+            return out.view(*x.shape[:-1], self.out_features)
         if rows < self._plain_below:
             return F.linear(x, self.plain)
         if self.widen:
@@ -181,6 +210,25 @@ class PackedLinear(nn.Module):
         if x.shape[0] <= self._dot_max_rows:
             return self._dot_op(x, *self._dot_args)
         return self._quantized_op(x, *self._quantized_args)
+
+    def _unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T from the blocks: slices of panels widened into scratch (`[K, width]`,
+        W.T's columns) and multiplied by oneDNN, each into its columns of the output."""
+        dtype, n, k = self._unpack_dtype, self.out_features, self.in_features
+        xin = x if x.dtype == dtype else x.to(dtype)
+        out = torch.empty(x.shape[0], n, dtype=dtype)
+        panels = self.quantized.tensors[0].shape[0]
+        step = max(1, _UNPACK_ELEMENTS // (k * PANEL))  # panels per slice
+        for p0 in range(0, panels, step):
+            p1 = min(panels, p0 + step)
+            wt = _scratch(dtype, k, (p1 - p0) * PANEL)
+            self._unpack_op(*self.quantized.tensors, p0, p1, wt)
+            n0, n1 = p0 * PANEL, min(n, p1 * PANEL)
+            if p0 == 0 and p1 == panels:
+                torch.mm(xin, wt[:, :n1], out=out)
+            else:
+                out[:, n0:n1] = xin @ wt[:, :n1 - n0]
+        return out if dtype == self.io_dtype else out.to(self.io_dtype)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
@@ -249,7 +297,7 @@ def _fits(q: QuantizedWeight | None, weight: torch.Tensor) -> bool:
     return q is not None and _parts_fit([q], weight)
 
 
-def _parts_fit_split(parts: list[QuantizedWeight], weight: torch.Tensor) -> bool:
+def _split_fits(parts: list[QuantizedWeight], weight: torch.Tensor) -> bool:
     """Whether `parts` (any formats), one under the other, hold `weight`'s shape."""
     return all(_fits(p, weight[:p.out_features]) for p in parts) \
         and sum(p.out_features for p in parts) == weight.shape[0]
@@ -302,23 +350,35 @@ def _packable(w: torch.Tensor) -> bool:
 
 
 def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | None,
-                      kernels) -> set[str]:
-    """The linear weights a bf16 load need not fill where `pack_linears` widens: a widened
-    layer with blocks takes its float32 weight from the checkpoint (or the blocks) and
-    reads the blocks for few rows, so its bf16 parameter would only be rounded, copied
-    and dropped. `load_weights(skip=...)` takes this."""
+                      kernels, int8_activations: bool = False) -> set[str]:
+    """The linear weights a load need not fill, as `pack_linears` will build their layers:
+    those served from their blocks alone (every call through the blocks' kernels or
+    unpacked from them: no dense copy), and widened bf16 layers with blocks, which take
+    their float32 weight from the checkpoint or the blocks. Their parameters would only
+    be copied and dropped; left unfilled, the checkpoint's pages are never read.
+    `load_weights(skip=...)` takes this."""
     kernels = _usable(kernels)
-    if kernels is None or not quantized or multiply_dtype(torch.bfloat16) != torch.float32:
+    if kernels is None or not quantized:
         return set()
-    parts = _by_parameter(model, quantized)  # not stacked: `pack_linears` stacks them
-    return {name for _, _, layer, name in _packable_linears(model)
-            if layer.weight.dtype == torch.bfloat16
-            and _parts_fit(parts.get(name), layer.weight)}
+    widen = multiply_dtype(torch.bfloat16) == torch.float32
+    parts_of = _by_parameter(model, quantized)  # not stacked: `pack_linears` stacks them
+    skip = set()
+    for _, _, layer, name in _packable_linears(model):
+        parts, dtype = parts_of.get(name), layer.weight.dtype
+        if not parts or not _split_fits(parts, layer.weight):
+            continue
+        alone = all(not (plan := _plan(dtype, fmt, kernels, int8_activations, widen and dtype
+                                       == torch.bfloat16, kernels.amx, True)).packed
+                    and not plan.plain_below for fmt in {p.format for p in parts})
+        if alone or (widen and dtype == torch.bfloat16):
+            skip.add(name)
+    return skip
 
 
 def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
                  kernels=None, int8_activations: bool = False,
-                 checkpoint: Mapping[str, torch.Tensor] | None = None) -> int:
+                 checkpoint: Mapping[str, torch.Tensor] | None = None,
+                 blocks_only: bool = True) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
     a GGUF's blocks by HF name, used with the C++ kernels where they fit (`kernels`:
@@ -336,18 +396,19 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     kernels = _usable(kernels)
     sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
     stored = _by_parameter(model, checkpoint) if checkpoint is not None else {}
-    count, extra, used, on_amx = 0, 0, 0, 0
+    count, extra, used, on_amx, alone = 0, 0, 0, 0, 0
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and kernels.amx
 
     def packed(weight: torch.Tensor, q: QuantizedWeight | None,
                float32: torch.Tensor | None) -> PackedLinear:
-        nonlocal used, on_amx
+        nonlocal used, on_amx, alone
         layer = PackedLinear(weight, quantized=q, kernels=kernels,
                              int8_activations=int8_activations, widen=widen, amx=amx,
-                             float32=float32)
+                             float32=float32, blocks_only=blocks_only)
         used += layer.quantized is not None
+        alone += layer.quantized is not None and not layer.plan.packed
         on_amx += layer.amx_rows is not None
         return layer
 
@@ -358,7 +419,7 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
                              f"{tuple(float32.shape)}, expected {tuple(weight.shape)}")
-        if isinstance(q, list) and _parts_fit_split(q, weight):
+        if isinstance(q, list) and _split_fits(q, weight):
             starts = [0, *itertools.accumulate(p.out_features for p in q)]
             layer = SplitLinear([packed(
                 weight[a:b], part, None if float32 is None else float32[a:b])
@@ -392,9 +453,16 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
             spans = ", ".join(f"{fmt} {r.start}-{r.stop - 1}" for fmt, r in AMX_ROWS.items())
             tiles = (f", {on_amx} of those on AMX for calls of these rows: {spans}"
                      if on_amx else "")
-            log.info("packed %d %s linear weights for oneDNN%s, %d of them also read from "
-                     "their quantized blocks for calls of few rows%s (%+.2f GiB)", count, dtype,
-                     how, used, tiles, extra / 2**30)
+            if alone:
+                log.info("%d %s linear weights: %d served from their quantized blocks alone "
+                         "(no dense copy: calls of many rows unpack them), %d of them on AMX "
+                         "for calls of these rows: %s; %d packed for oneDNN%s (%+.2f GiB)",
+                         count, dtype, alone, on_amx, spans, count - alone, how,
+                         extra / 2**30)
+            else:
+                log.info("packed %d %s linear weights for oneDNN%s, %d of them also read "
+                         "from their quantized blocks for calls of few rows%s (%+.2f GiB)",
+                         count, dtype, how, used, tiles, extra / 2**30)
     return extra
 
 

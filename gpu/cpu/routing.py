@@ -23,12 +23,18 @@ The routes, in the order a call tries them:
   (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
   where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16
   (above, where it runs at the same rate without the dequantizing).
-- `plain`: `F.linear` on the unpacked weight. oneDNN's packing pays for itself from a
-  few rows; for one to three rows the plain fp32 weight streams straight from memory.
+- `plain`: `F.linear` on the weight as loaded, not packed. oneDNN's packing pays for
+  itself from a few rows; for one to three rows the plain fp32 weight streams straight
+  from memory.
 - `packed`: oneDNN's packed weight, in the model's dtype.
 - `widened`: oneDNN's packed float32 weight for a bf16 model on a CPU without bf16
   arithmetic (oneDNN cannot pack bf16 there, and torch's bf16 matmul runs at a fraction
   of fp32's rate): bf16 in, float32 products, the sum rounded to bf16 once.
+- `unpacked`: a GGUF layer that holds only its blocks (`LinearLayer.blocks_only`: no
+  dense weight in memory) takes this where the routes above would take a dense one:
+  slices of its panels widened per call into a scratch buffer (`quant_unpack.cpp`,
+  bf16 where the layer multiplies in bf16) and multiplied by oneDNN. At the rows that
+  reach it the widening is a few percent of the matmul.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Route(str, Enum):
     PLAIN = "plain"
     PACKED = "packed"
     WIDENED = "widened"
+    UNPACKED = "unpacked"
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class LinearLayer:
     dtype: torch.dtype
     blocks: str | None = None
     int8_activations: bool = False
+    blocks_only: bool = False  # the layer holds no dense weight (`Route.UNPACKED`)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class RoutePlan:
     plain_below: int = 0
     widen: bool = False
     dot_max_rows: int = 0  # 0: no bf16 dot-product kernel; never above blocks_max_rows
+    unpacked: bool = False  # the rest unpack the blocks per call, not oneDNN's packed copy
 
     @property
     def blocks(self) -> bool:
@@ -131,7 +140,7 @@ class RoutePlan:
     @property
     def packed(self) -> bool:
         """Whether some call needs oneDNN's packed weight."""
-        return self.blocks_max_rows != sys.maxsize
+        return self.blocks_max_rows != sys.maxsize and not self.unpacked
 
     def route(self, rows: int) -> Route:
         if rows <= self.dot_max_rows:
@@ -140,6 +149,8 @@ class RoutePlan:
             return self.blocks_route
         if self.amx_rows is not None and rows in self.amx_rows:
             return Route.AMX
+        if self.unpacked:
+            return Route.UNPACKED
         if rows < self.plain_below:
             return Route.PLAIN
         return Route.WIDENED if self.widen else Route.PACKED
@@ -167,7 +178,9 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
         most = min(most, amx_rows.start - 1)
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
-    return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot)
+    unpacked = layer.blocks_only and capabilities.has(f"{fmt}_unpack")
+    return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,
+                     unpacked=unpacked)
 
 
 def choose_route(shape: LinearShape, capabilities: CpuCapabilities) -> Route:

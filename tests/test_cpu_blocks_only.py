@@ -1,0 +1,93 @@
+"""A GGUF's layers hold their blocks alone (`gpu/cpu/linear.py`, `Route.UNPACKED`): no
+dense copy in memory, calls of many rows widen slices of panels into scratch
+(`quant_unpack.cpp`) and multiply them with oneDNN.
+
+The unpacked weights must be the blocks' own values (bit for bit in float32, rounded to
+nearest even in bf16), a layer must agree with F.linear on its dequantized weight at
+every row count, and the load must not fill the dense parameters it will not keep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.cpu.kernels.build import cpu_kernels
+from gpu.cpu.linear import PackedLinear, SplitLinear, pack_linears, params_not_needed
+from gpu.cpu.panel_blocks import PANEL, PanelBlocks
+from gpu.cpu.routing import Route
+from models import gguf_blocks
+from tests.test_gguf_types import random_blocks, rewritten
+from tests.test_quantized_weights import load_model
+
+KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
+needs_kernels = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS.namespace,
+                                                                   "q4_1_unpack"),
+                                   reason="C++ CPU kernels not built here")
+TYPES = ("Q4_K", "Q6_K", "IQ4_XS")  # one of each format: q4_1, q8_16, q8_0
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpacked_panels_are_the_blocks_values(type_name, dtype):
+    rows, k = 70, 256  # three panels, the last one partial
+    q = rewritten(type_name, random_blocks(type_name, rows, k, seed=3), rows)
+    panels = PanelBlocks.of(q)
+    op = getattr(KERNELS, f"{q.format}_unpack")
+    want = q.dequantize().to(dtype)  # float32 values; bf16: rounded to nearest even
+    for p0, p1 in ((0, 3), (1, 3), (0, 1)):
+        out = torch.full((k, (p1 - p0) * PANEL), float("nan"), dtype=dtype)
+        op(*panels.tensors, p0, p1, out)
+        n1 = min(rows, p1 * PANEL)
+        assert torch.equal(out[:, :n1 - p0 * PANEL], want[p0 * PANEL:n1].T)
+        assert not out[:, n1 - p0 * PANEL:].any()  # the last panel's padding is zeros
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
+    n, k = 200, 512
+    q = rewritten(type_name, random_blocks(type_name, n, k, seed=4), n)
+    weight = torch.empty(n, k, dtype=dtype)  # never read: its values were never loaded
+    layer = PackedLinear(weight, quantized=q, kernels=KERNELS,
+                         amx=KERNELS is not None, blocks_only=True)
+    assert layer.packed is None and layer.plain is None and layer.plan.unpacked
+    dense = q.dequantize()
+    for rows in (1, 3, 5, 40, 200, 300):
+        x = torch.randn(rows, k).to(dtype)
+        want = x.float() @ dense.T
+        # fp32: summation order over 512 products; bf16: the sums' rounding, and the
+        # weights' where many rows unpack them to bf16 (a bf16 checkpoint's values).
+        scale = want.abs().max().item()
+        tol = dict(atol=1e-2 * scale, rtol=1e-2) if dtype == torch.bfloat16 else \
+            dict(atol=1e-5 * scale, rtol=1e-4)
+        torch.testing.assert_close(layer(x).float(), want, **tol)
+    assert layer.plan.route(300) == Route.UNPACKED
+
+
+@needs_kernels
+def test_the_load_skips_the_dense_weights_of_layers_served_from_blocks(smollm2_dir):
+    """SmolLM2's GGUF: every linear Q4_1, the tied head Q8_0. Every linear's parameter
+    is left unfilled and every packed layer holds no dense copy; the embedding, which the
+    token lookup reads, is loaded; the model's logits agree with the float32 path's."""
+    blocks = gguf_blocks.load(smollm2_dir)
+    reference = load_model(smollm2_dir)
+    model = load_model(smollm2_dir)
+    skip = params_not_needed(model, blocks, KERNELS)
+    assert len(skip) == 30 * 4 and "embed_tokens.weight" not in skip
+    extra = pack_linears(model, blocks, KERNELS)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 30 * 4 + 1 and not any(isinstance(m, SplitLinear)
+                                                 for m in model.modules())
+    assert all(m.packed is None and m.plain is None for m in layers)
+    dense = sum(m.in_features * m.out_features * 4 for m in layers[:-1])
+    assert extra < -0.7 * dense  # the blocks replace the float32 weights: ~0.2 of them
+    from tests.test_quantized_weights import _Context
+
+    for rows in (1, 250):  # 250: past every blocks' kernel (AMX's 128 rows)
+        ids, pos = torch.randint(0, 49152, (rows,)), torch.arange(rows)
+        with torch.inference_mode():
+            want = reference.compute_logits(reference(ids, pos, _Context()))
+            got = model.compute_logits(model(ids, pos, _Context()))
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-3)
