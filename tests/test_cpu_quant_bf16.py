@@ -153,3 +153,11 @@ def test_float32_kernels_round_ties_infinities_and_nan_as_torch() -> None:
         out = KERNELS.q8_0_linear(x, *panel_args)
         ref = KERNELS.q8_0_linear(x.float(), *panel_args).bfloat16()
         assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), values
+
+
+@needs_op
+def test_the_load_time_regrouping_op_equals_the_tensor_arithmetic():
+    """`q4_1_dot_pairs` (one C++ pass at load) gives `dot_pairs`' tensor arithmetic's
+    dwords, with partial panels and many blocks."""
+    blocks = PanelBlocks.of(QuantizedWeight("q4_1", *random_q4_1(70, 512)))
+    assert torch.equal(blocks.dot_pairs(KERNELS), blocks.dot_pairs())

@@ -149,7 +149,7 @@ class PackedLinear(nn.Module):
                         if plan.dot_max_rows else None)
         # Its levels regrouped for it (the panels' bytes once more: the float32 kernel
         # reads the panels, the Q4_1 AMX kernel its own copy below).
-        self._dot_args = ((self.quantized.dot_pairs(), *self.quantized.tensors[1:],
+        self._dot_args = ((self.quantized.dot_pairs(capabilities), *self.quantized.tensors[1:],
                            self.out_features) if plan.dot_max_rows else ())
         self.amx_rows = plan.amx_rows
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
@@ -403,17 +403,18 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
 
     def packed(weight: torch.Tensor, q: QuantizedWeight | None,
                float32: torch.Tensor | None) -> PackedLinear:
-        nonlocal used, on_amx, alone
+        nonlocal count, used, on_amx, alone
         layer = PackedLinear(weight, quantized=q, kernels=kernels,
                              int8_activations=int8_activations, widen=widen, amx=amx,
                              float32=float32, blocks_only=blocks_only)
+        count += 1
         used += layer.quantized is not None
         alone += layer.quantized is not None and not layer.plan.packed
         on_amx += layer.amx_rows is not None
         return layer
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear | SplitLinear:
-        nonlocal count, extra
+        nonlocal extra
         q = sources.get(name)
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
@@ -427,7 +428,6 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         else:
             layer = packed(weight, q if isinstance(q, QuantizedWeight) and _fits(q, weight)
                            else None, float32)
-        count += 1
         # The layer's copies replace the weight, but for the embedding, still needed for
         # the lookup.
         weight_bytes = weight.numel() * weight.element_size()

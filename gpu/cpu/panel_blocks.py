@@ -50,14 +50,18 @@ class PanelBlocks:
                 for t in (q.scales, q.mins) if t is not None]  # Q8_16: 2 scales a block
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
-    def dot_pairs(self) -> torch.Tensor:
+    def dot_pairs(self, kernels=None) -> torch.Tensor:
         """Q4_1's levels as the AVX512-BF16 kernel reads them (`quant_linear_bf16.cpp`):
         int32 [panels, K/32, 4, 32], per chunk c and output n one dword whose low half
         holds k = 4c + i + 16 and high half k = 4c + i in nibble i. The same bytes as
         the panels' levels, regrouped so that a shift and a table lookup give a vector of
-        bf16 pairs of one output each."""
+        bf16 pairs of one output each. Through the kernels' one pass where `kernels`
+        (`CpuCapabilities` or the library's ops) has it, else in tensor arithmetic."""
         if self.format != "q4_1":
             raise ValueError(f"dot_pairs: Q4_1 only, not {self.format}")
+        op = CpuCapabilities.of(kernels).op("q4_1_dot_pairs") if kernels is not None else None
+        if op is not None:
+            return op(self.tensors[0])
         q = self.tensors[0]  # [panels, K/32, 16 (j), 32]: k = j low nibble, j + 16 high
         panels, blocks = q.shape[:2]
         q = q.view(panels, blocks, 4, 4, PANEL).to(torch.int64)  # [.., c, i, n], j = 4c + i
