@@ -190,8 +190,6 @@ class ModelRunner:
             t.shape, device=self.device,
             dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
-        # As stored: views of the mapped files, each converted once as it is copied in.
-        checkpoint = weights if weights is not None else iter_safetensors(spec.model_dir)
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.model = model.eval()
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
@@ -208,9 +206,13 @@ class ModelRunner:
             if spec.int8_activations and (why := cpu_linear.int8_unavailable(
                     self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
-            checkpoint = dict(checkpoint)  # by name, for `pack_linears`: views, no copies
-            model.load_weights(checkpoint.items(), skip=cpu_linear.params_not_needed(
-                model, blocks, kernels, spec.int8_activations))
+            # The parameters the layers will not read (served from their blocks alone, or
+            # widened from the checkpoint's float32): never filled, never dequantized.
+            skip = cpu_linear.params_not_needed(model, blocks, kernels, spec.int8_activations)
+            # By name, for `pack_linears`: views of the mapped files, no copies.
+            checkpoint = dict(weights if weights is not None else iter_safetensors(
+                spec.model_dir, placeholders=model.checkpoint_names(skip)))
+            model.load_weights(checkpoint.items(), skip=skip)
             # Logs what its packed copies and the blocks add in host memory (negative where
             # a layer holds its blocks alone): the weights are what the layers hold.
             weights_bytes += cpu_linear.pack_linears(self.model, blocks, kernels,
@@ -220,6 +222,7 @@ class ModelRunner:
             raise ValueError("--int8-activations is for CPU: this model runs on "
                              f"{self.device}")
         else:
+            checkpoint = weights if weights is not None else iter_safetensors(spec.model_dir)
             model.load_weights(checkpoint)
         del checkpoint  # the mapped files
         log.info("Loaded %s (%s) in %.2f s", spec.model_dir, self.dtype, time.perf_counter() - t0)

@@ -202,6 +202,14 @@ class DecoderForCausalLM(nn.Module):
             for hf, (ours, offset, rows) in module.checkpoint_layout().items()
         }
 
+    def checkpoint_names(self, params: Collection[str]) -> set[str]:
+        """The HF names of the tensors that fill our `params` (a fused one's parts)."""
+        layout = self.checkpoint_layout()
+        fused = {ours for ours, _, _ in layout.values()}
+        names = {hf for hf, (ours, _, _) in layout.items() if ours in params}
+        names |= {p for p in params if p not in fused}
+        return {n if n.startswith("lm_head") else f"model.{n}" for n in names}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      skip: Collection[str] = ()) -> None:
         """Load HF-named tensors into their (fused) parameters; every row must be set.

@@ -60,6 +60,10 @@ class QuantizedWeight:
         return self.qweight.shape[0]
 
     @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.format == "q4_1" else 1)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.qweight, self.scales, self.mins) if t is not None)

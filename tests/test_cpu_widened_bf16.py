@@ -131,24 +131,20 @@ def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, 
     extra = pack_linears(model, blocks, KERNELS)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 30 * 4 + 1
-    assert all(m.widen and m.quantized is not None and m.packed.dtype == torch.float32
-               for m in layers)
-    # Each layer's bf16 weight gives way to a float32 packed copy (twice its bytes) and
-    # the blocks; the embedding stays for the lookup beside the head's copies.
-    head = model.lm_head
-    want = (bf16_bytes + sum(m.quantized.nbytes for m in layers)
-            + head.packed.numel() * 4)
-    assert extra == want
+    assert all(m.widen and m.quantized is not None and m.packed is None for m in layers)
+    # Each layer's bf16 weight gives way to its blocks alone (calls of many rows unpack
+    # them in float32); the embedding stays for the lookup beside the head's blocks.
+    assert extra == sum(m.quantized.nbytes for m in layers) - bf16_bytes
 
 
 @needs_kernels
 @needs_packing
 def test_widened_load_from_the_checkpoint_packs_what_the_blocks_give(smollm2_dir, monkeypatch):
     """The runner's widened load (`params_not_needed`, `load_weights(skip=...)`,
-    `pack_linears(checkpoint=...)`) packs each layer's float32 weight from the mapped
-    float32 checkpoint, never filling its bf16 parameter: every layer computes what the
-    one packed from the dequantized blocks does, bit for bit, and the rest of the model
-    (embedding, norms) is loaded as before."""
+    `pack_linears(checkpoint=...)`) never fills a linear's bf16 parameter: every layer
+    computes from its blocks alone what the layer of a model loaded dense does, bit for
+    bit, within the blocks' rows and past them (unpacked in float32), and the rest of
+    the model (embedding, norms) is loaded as before."""
     from models.config import ModelConfig
     from models.decoder import DecoderForCausalLM
 
@@ -180,9 +176,7 @@ def test_widened_load_from_the_checkpoint_packs_what_the_blocks_give(smollm2_dir
     assert len(layers) == 30 * 4 + 1
     torch.manual_seed(0)
     for name, layer in layers:
-        # oneDNN's packed weights are opaque (its own memory, never the mapped file's):
-        # compared through what they compute, past the blocks' rows and within them.
-        assert layer.widen and layer.plain is None and layer.packed.is_mkldnn
+        assert layer.widen and layer.plain is None and layer.packed is None
         for rows in (2, 300):
             x = torch.randn(rows, layer.in_features).bfloat16()
             assert torch.equal(layer(x), old_layers[name](x)), (name, rows)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
@@ -144,17 +145,41 @@ def test_missing_or_incomplete_model_paths(tmp_path: Path):
 
 @pytest.mark.slow
 def test_second_resolve_reuses_the_cache(smollm2_dir: Path):
-    mtime = os.stat(smollm2_dir / "model.safetensors").st_mtime_ns
+    cached = resolve_model(None)
+    mtime = os.stat(cached / "model.safetensors").st_mtime_ns
     start = time.perf_counter()
-    assert resolve_model(None) == smollm2_dir
+    assert resolve_model(None) == cached
     assert time.perf_counter() - start < 2
-    assert os.stat(smollm2_dir / "model.safetensors").st_mtime_ns == mtime
+    assert os.stat(cached / "model.safetensors").st_mtime_ns == mtime
 
 
 @pytest.mark.slow
-def test_export_model_copies_the_directory(smollm2_dir: Path, tmp_path: Path):
+def test_the_cache_keeps_block_weights_only_as_blocks(smollm2_dir: Path):
+    """The conversion writes dense only what has no blocks (SmolLM2: the norms), so the
+    cache is about the GGUF's size; a loader still gets every weight, the kept ones
+    dequantized from their blocks exactly (the export's dense values), or as meta
+    placeholders where it will not read them."""
+    cached = resolve_model(None)
+    size = sum(p.stat().st_size for p in cached.rglob("*.safetensors"))
+    assert size < 1.6 * default_gguf_path().stat().st_size
+    with safe_open(str(cached / "model.safetensors"), framework="pt") as f:
+        assert all("norm" in name for name in f.keys())
+    exported = dict(iter_safetensors(smollm2_dir))
+    name = "model.layers.4.mlp.down_proj.weight"
+    got = dict(iter_safetensors(cached, placeholders={name}))
+    assert got.keys() == exported.keys()
+    assert got[name].is_meta and got[name].shape == exported[name].shape
+    other = "model.layers.4.mlp.up_proj.weight"
+    assert torch.equal(got[other], exported[other])
+
+
+@pytest.mark.slow
+def test_export_model_writes_a_complete_hf_directory(smollm2_dir: Path, tmp_path: Path):
     out = export_model(None, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in smollm2_dir.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in resolve_model(None).iterdir())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 30 * 9 + 2  # every layer's 9 tensors, embedding, norm
     assert resolve_model(out) == out
     with pytest.raises(FileExistsError):
         export_model(None, out)

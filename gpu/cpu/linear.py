@@ -288,7 +288,7 @@ def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
     """A weight's float32 values from its checkpoint parts, where they are stored so
     (a bf16 checkpoint's are rounded: the blocks hold the exact values then)."""
-    if not parts or any(p.dtype != torch.float32 for p in parts):
+    if not parts or any(p.dtype != torch.float32 or p.is_meta for p in parts):
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -307,9 +307,8 @@ def _parts_fit(parts: list[QuantizedWeight] | None, weight: torch.Tensor) -> boo
     """Whether blocks stacked from `parts` (one format) would hold `weight`'s shape."""
     if not parts or len({p.format for p in parts}) != 1:
         return False
-    k = parts[0].qweight.shape[1] * (2 if parts[0].format == "q4_1" else 1)
-    return all(p.qweight.shape[1] == parts[0].qweight.shape[1] for p in parts) \
-        and (sum(p.out_features for p in parts), k) == tuple(weight.shape)
+    return all(p.in_features == parts[0].in_features for p in parts) \
+        and (sum(p.out_features for p in parts), parts[0].in_features) == tuple(weight.shape)
 
 
 def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
