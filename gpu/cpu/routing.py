@@ -64,7 +64,7 @@ BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1, "q8_16": 1}}
 # bf16 with AMX: calls of these many rows run on the tile unit, and the widened blocks
 # keep only the calls below; above, oneDNN's packed bf16 is as fast or faster. The Q8_0
 # LM head sees as many rows as the step has sequences (a prefill's last tokens too).
-AMX_ROWS = {"q4_1": range(4, 129), "q8_0": range(2, 97)}
+AMX_ROWS = {"q4_1": range(4, 129), "q8_0": range(2, 97), "q8_16": range(2, 97)}
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
 BF16_DOT_MAX_ROWS = {"q4_1": 3}

@@ -1,4 +1,5 @@
-// x @ W.T for a bf16 model's Q8_0 LM head on AMX, straight from the GGUF's blocks:
+// x @ W.T for a bf16 model's Q8_0 and Q8_16 blocks on AMX (the LM head of most GGUFs; a
+// K-quant mix's Q6_K layers), straight from the blocks:
 // bf16 x in, bf16 out, the products of bf16 values summed in fp32 by the tile unit.
 //
 // Why: on a CPU with AMX, oneDNN's packed bf16 matmul is fast at many rows, but every
@@ -134,6 +135,10 @@ inline void prefetch_block(const Q8_0& w, int64_t g) {
   prefetch_lines(w.qs + g * kBlock * kPanel, kBlock * kPanel);
   prefetch_lines(w.d + g * kPanel, kPanel * 4);
 }
+inline void prefetch_block(const Q8_16& w, int64_t g) {
+  prefetch_lines(w.qs + g * kBlock * kPanel, kBlock * kPanel);
+  prefetch_lines(w.d + g * 2 * kPanel, 2 * kPanel * 4);
+}
 
 template <typename W>
 void amx_linear(const W& w, const at::Tensor& x, int64_t N, at::Tensor& out) {
@@ -215,28 +220,41 @@ void check_call(const char* op, const at::Tensor& x, int64_t panels, int64_t K, 
               " does not fill ", panels, " panels of 32 outputs");
 }
 
-void check_scales(const char* op, const at::Tensor& scales, int64_t panels, int64_t K) {
+// `per_block` scales a block: 1 (Q8_0), 2 (Q8_16, a scale per 16 k).
+void check_scales(const char* op, const at::Tensor& scales, int64_t panels, int64_t K,
+                  int64_t per_block) {
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == panels &&
-                  scales.size(1) == K / kBlock && scales.size(2) == kPanel,
-              op, ": scales must be contiguous float32 [panels, K/32, 32]");
+                  scales.size(1) == per_block * K / kBlock && scales.size(2) == kPanel,
+              op, ": scales must be contiguous float32 [panels, ", per_block, " K/32, 32]");
 }
 
-at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
-                           const at::Tensor& scales, int64_t N) {
-  const char* op = "q8_0_linear_amx";
+// The int8 levels' formats: Q8_0 (a scale per 32 k) and Q8_16 (per 16).
+template <typename W>
+at::Tensor int8_linear_amx(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                           const at::Tensor& scales, int64_t N, int64_t per_block) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 &&
                   qweight.is_contiguous() && qweight.size(2) == kBlock &&
                   qweight.size(3) == kPanel,
               op, ": qweight must be contiguous int8 [panels, K/32, 32, 32]");
   const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
-  check_scales(op, scales, panels, K);
+  check_scales(op, scales, panels, K, per_block);
   check_call(op, x, panels, K, N);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
-  const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
+  const W w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
   amx_linear(w, x, N, out);
   return out;
+}
+
+at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
+                           const at::Tensor& scales, int64_t N) {
+  return int8_linear_amx<Q8_0>("q8_0_linear_amx", x, qweight, scales, N, 1);
+}
+
+at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, int64_t N) {
+  return int8_linear_amx<Q8_16>("q8_16_linear_amx", x, qweight, scales, N, 2);
 }
 
 }  // namespace
@@ -245,6 +263,8 @@ at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q8_0_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q8_0_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_amx));
+  m.def("q8_16_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
+  m.impl("q8_16_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_amx));
   m.def("amx_usable() -> bool", &amx::permitted);
 }
 #endif

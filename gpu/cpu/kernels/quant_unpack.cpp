@@ -27,10 +27,25 @@ namespace {
 
 using namespace quant;
 
-// 32 widened weights (one k, a panel's outputs) stored as float32 or bf16.
+// 32 widened weights (one k, a panel's outputs) stored as float32 or bf16; bf16 rounded
+// to nearest even as c10::BFloat16(float) rounds (NaN as 0x7FC0), 16 lanes at a time
+// with AVX-512: a scalar conversion per weight was most of a call's time.
 inline void store32(const float* w, float* out) { std::memcpy(out, w, 32 * sizeof(float)); }
 inline void store32(const float* w, c10::BFloat16* out) {
+#ifdef __AVX512F__
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i nan = _mm512_set1_epi32(0x7FC0);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_load_ps(w + 16 * h);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), _mm512_cvtepi32_epi16(r));
+  }
+#else
   for (int n = 0; n < 32; ++n) out[n] = c10::BFloat16(w[n]);
+#endif
 }
 
 template <typename W, typename T>
