@@ -42,7 +42,7 @@ def load(dtype: torch.dtype, max_len: int):
     model.rotary = model.make_rotary(max_len)
     model.load_weights(iter_safetensors(model_dir, dtype))
     if dtype == torch.bfloat16:
-        from gpu.cpu.linear import pack_linears
+        from gpu.cpu.packing import pack_linears
 
         pack_linears(model)
     return model.eval(), cfg

@@ -195,6 +195,7 @@ class ModelRunner:
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
         if self.capabilities is not None:
             from gpu.cpu import linear as cpu_linear
+            from gpu.cpu import packing
 
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
             # The blocks serve float32 matmuls (a float32 model, or bf16 widened) and a bf16
@@ -203,21 +204,21 @@ class ModelRunner:
                       and weights is None
                       and matmul_dtype in (torch.float32, torch.bfloat16) else {})
             kernels = self.capabilities
-            if spec.int8_activations and (why := cpu_linear.int8_unavailable(
+            if spec.int8_activations and (why := packing.int8_unavailable(
                     self.dtype, blocks, kernels)):
                 raise ValueError(f"--int8-activations cannot run: {why}")
             # The parameters the layers will not read (served from their blocks alone, or
             # widened from the checkpoint's float32): never filled, never dequantized.
-            skip = cpu_linear.params_not_needed(model, blocks, kernels, spec.int8_activations)
+            skip = packing.params_not_needed(model, blocks, kernels, spec.int8_activations)
             # By name, for `pack_linears`: views of the mapped files, no copies.
             checkpoint = dict(weights if weights is not None else iter_safetensors(
                 spec.model_dir, placeholders=model.checkpoint_names(skip)))
             model.load_weights(checkpoint.items(), skip=skip)
             # Logs what its packed copies and the blocks add in host memory (negative where
-            # a layer holds its blocks alone): the weights are what the layers hold.
-            weights_bytes += cpu_linear.pack_linears(self.model, blocks, kernels,
-                                                     spec.int8_activations, checkpoint)
-            block_reads = cpu_linear.quantized_reads(self.model)
+            # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
+            packing.pack_linears(self.model, blocks, kernels, spec.int8_activations,
+                                 checkpoint)
+            block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "
                              f"{self.device}")

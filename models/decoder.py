@@ -216,7 +216,7 @@ class DecoderForCausalLM(nn.Module):
 
         `skip`: parameters left unset (their tensors checked but not copied) for a caller
         that builds those layers from other sources and replaces them before the model
-        runs (`cpu_linear.params_not_needed`)."""
+        runs (`gpu.cpu.packing.params_not_needed`)."""
         params = dict(self.named_parameters())
         layout = self.checkpoint_layout()
         loaded: dict[str, int] = {}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import AMX_ROWS, PackedLinear, pack_linears
+from gpu.cpu.linear import AMX_ROWS, PackedLinear
+from gpu.cpu.packing import pack_linears
 from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight

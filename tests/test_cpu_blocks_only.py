@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import PackedLinear, SplitLinear, pack_linears, params_not_needed
+from gpu.cpu.linear import PackedLinear
+from gpu.cpu.packing import SplitLinear, pack_linears, params_not_needed
 from gpu.cpu.panel_blocks import PANEL, PanelBlocks
 from gpu.cpu.routing import Route
 from models import gguf_blocks

@@ -23,7 +23,7 @@ from gpu.cpu.capabilities import CpuCapabilities
 from gpu.cpu.decoder_ops import CpuDecoderOps
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.layer_call import LayerCall
-from gpu.cpu.linear import pack_linears
+from gpu.cpu.packing import pack_linears
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.gguf_blocks import QuantizedWeight

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from gpu.cpu import linear as cpu_linear
+from gpu.cpu import packing
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import PackedLinear, multiply_dtype, pack_linears, quantized_max_rows
+from gpu.cpu.linear import PackedLinear, multiply_dtype, quantized_max_rows
+from gpu.cpu.packing import pack_linears, params_not_needed
 from models import gguf_blocks
 from models.weights import iter_safetensors
 
@@ -118,8 +120,9 @@ def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, 
 
     # Stand in for a CPU without bf16 arithmetic (on one that has it, this is the AVX2
     # host's decision).
-    monkeypatch.setattr(cpu_linear, "multiply_dtype",
-                        lambda d: torch.float32 if d == torch.bfloat16 else d)
+    for module in (cpu_linear, packing):
+        monkeypatch.setattr(module, "multiply_dtype",
+                            lambda d: torch.float32 if d == torch.bfloat16 else d)
     cfg = ModelConfig.from_dir(smollm2_dir)
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, max_positions=64)
@@ -148,8 +151,9 @@ def test_widened_load_from_the_checkpoint_packs_what_the_blocks_give(smollm2_dir
     from models.config import ModelConfig
     from models.decoder import DecoderForCausalLM
 
-    monkeypatch.setattr(cpu_linear, "multiply_dtype",
-                        lambda d: torch.float32 if d == torch.bfloat16 else d)
+    for module in (cpu_linear, packing):
+        monkeypatch.setattr(module, "multiply_dtype",
+                            lambda d: torch.float32 if d == torch.bfloat16 else d)
     cfg = ModelConfig.from_dir(smollm2_dir)
     blocks = gguf_blocks.load(smollm2_dir)
 
@@ -163,7 +167,7 @@ def test_widened_load_from_the_checkpoint_packs_what_the_blocks_give(smollm2_dir
     old_extra = pack_linears(old, blocks, KERNELS)
 
     new = empty_model()
-    skip = cpu_linear.params_not_needed(new, blocks, KERNELS)
+    skip = params_not_needed(new, blocks, KERNELS)
     assert len(skip) == 30 * 4 and "embed_tokens.weight" not in skip  # the lookup needs it
     checkpoint = dict(iter_safetensors(smollm2_dir))
     assert {t.dtype for t in checkpoint.values()} == {torch.float32}

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import PackedLinear, SplitLinear, pack_linears, quantized_max_rows
+from gpu.cpu.linear import PackedLinear, quantized_max_rows
+from gpu.cpu.packing import SplitLinear, pack_linears
 from models import gguf_blocks
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
@@ -121,7 +122,7 @@ def test_without_kernels_or_blocks_nothing_changes(smollm2_dir):
 @needs_kernels
 def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
     """MBU must not be computed against fp32 weights a step never read."""
-    from gpu.cpu.linear import quantized_reads
+    from gpu.cpu.packing import quantized_reads
     from gpu.roofline import ModelCost
 
     model = load_model(smollm2_dir)
