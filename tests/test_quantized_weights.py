@@ -10,6 +10,8 @@ greedy parity with transformers (test_smollm2.py) runs through this path too.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -127,6 +129,11 @@ def test_roofline_counts_the_blocks_for_few_rows(smollm2_dir):
 
     model = load_model(smollm2_dir)
     pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS)
+    reads = quantized_reads(model)  # the layers hold their blocks alone: every call reads them
+    assert reads.layer_max_rows == reads.head_max_rows == sys.maxsize
+    # With packed copies beside the blocks, calls past the blocks' rows read the copies.
+    model = load_model(smollm2_dir)
+    pack_linears(model, gguf_blocks.load(smollm2_dir), KERNELS, blocks_only=False)
     reads = quantized_reads(model)
     most = quantized_max_rows(KERNELS)
     assert (reads.layer_max_rows, reads.head_max_rows) == (most["q4_1"], most["q8_0"])

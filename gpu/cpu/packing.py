@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
@@ -269,6 +270,12 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     return extra
 
 
+def _read_rows(layer: PackedLinear) -> int:
+    """Calls of up to this many rows read `layer`'s blocks: all of them where it holds no
+    dense copy (the unpacked route reads the blocks too)."""
+    return layer.block_max_rows if layer.plan.packed else sys.maxsize
+
+
 def quantized_reads(model: nn.Module) -> QuantizedReads | None:
     """What a few-row step reads from blocks, for the roofline (None: nothing does)."""
     layers = [m for n, m in model.named_modules()
@@ -280,6 +287,6 @@ def quantized_reads(model: nn.Module) -> QuantizedReads | None:
     return QuantizedReads(
         layer_bytes=sum(m.quantized.nbytes for m in layers),
         head_bytes=head_blocks.nbytes if head_blocks is not None else 0,
-        layer_max_rows=min((m.block_max_rows for m in layers), default=0),
-        head_max_rows=head.block_max_rows if head_blocks is not None else 0,
+        layer_max_rows=min((_read_rows(m) for m in layers), default=0),
+        head_max_rows=_read_rows(head) if head_blocks is not None else 0,
         layer_params=sum(m.in_features * m.out_features for m in layers))

@@ -64,7 +64,20 @@ BF16_QUANTIZED_MAX_ROWS = {16: {"q4_1": 6, "q8_0": 1, "q8_16": 1}}
 # bf16 with AMX: calls of these many rows run on the tile unit, and the widened blocks
 # keep only the calls below; above, oneDNN's packed bf16 is as fast or faster. The Q8_0
 # LM head sees as many rows as the step has sequences (a prefill's last tokens too).
-AMX_ROWS = {"q4_1": range(4, 129), "q8_0": range(2, 97), "q8_16": range(2, 97)}
+AMX_ROWS = {"q4_1": range(4, 129), "q8_0": range(2, 97), "q8_16": range(5, 97)}
+# A layer that holds its blocks alone (no dense copy: `LinearLayer.blocks_only`): up to
+# this many rows the blocks' exact kernel beats widening slices of the blocks for oneDNN
+# (`Route.UNPACKED`), by vector width and the dtype the layer multiplies in
+# (`benchmarks/cpu_unpack_ab.py` on a 1.7B model's shapes). With bf16 arithmetic but no
+# AMX, oneDNN's bf16 matmul on freshly widened weights did not catch up with the exact
+# kernel by 256 rows, so the blocks take every call; with AMX the tile kernels take
+# every call from `AMX_ROWS`' first row on (they beat the unpacked route at every row
+# count measured).
+BLOCKS_ONLY_MAX_ROWS = {
+    (16, torch.float32): {"q4_1": 256, "q8_0": 128, "q8_16": 128},
+    (16, torch.bfloat16): {"q4_1": sys.maxsize, "q8_0": sys.maxsize, "q8_16": sys.maxsize},
+    (8, torch.float32): {"q4_1": 112, "q8_0": 80, "q8_16": 80},
+}
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
 BF16_DOT_MAX_ROWS = {"q4_1": 3}
@@ -171,14 +184,17 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
     if layer.int8_activations and compute == torch.float32 \
             and capabilities.has(f"{fmt_op}_int8"):
         return RoutePlan(sys.maxsize, Route.BLOCKS_INT8, widen=widen)
-    most = table[fmt]
+    unpacked = layer.blocks_only and capabilities.has(f"{fmt}_unpack")
+    most = (BLOCKS_ONLY_MAX_ROWS.get((capabilities.vector_width, compute), table)[fmt]
+            if unpacked else table[fmt])
     amx_rows = (AMX_ROWS.get(fmt) if capabilities.amx and compute == torch.bfloat16
                 and capabilities.has(f"{fmt_op}_amx") else None)
     if amx_rows is not None:
         most = min(most, amx_rows.start - 1)
+        if unpacked:  # no dense copy to hand the calls above to
+            amx_rows = range(amx_rows.start, sys.maxsize)
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
-    unpacked = layer.blocks_only and capabilities.has(f"{fmt}_unpack")
     return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,
                      unpacked=unpacked)
 
