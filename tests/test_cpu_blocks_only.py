@@ -54,6 +54,8 @@ def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
     layer = PackedLinear(weight, quantized=q, kernels=KERNELS,
                          amx=KERNELS is not None, blocks_only=True)
     assert layer.packed is None and layer.plain is None and layer.plan.unpacked
+    # The same without AMX: its calls of many rows may take the unpacked route.
+    no_amx = PackedLinear(weight, quantized=q, kernels=KERNELS, blocks_only=True)
     dense = q.dequantize()
     for rows in (1, 3, 5, 40, 200, 300):
         x = torch.randn(rows, k).to(dtype)
@@ -65,7 +67,7 @@ def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
             dict(atol=1e-5 * scale, rtol=1e-4)
         torch.testing.assert_close(layer(x).float(), want, **tol)
         # The unpacked route itself, whichever rows the routing hands it on this host.
-        torch.testing.assert_close(layer._unpacked(x).float(), want, **tol)
+        torch.testing.assert_close(no_amx._unpacked(x).float(), want, **tol)
     assert layer.plan.route(10**6) in (Route.UNPACKED, Route.AMX, Route.BLOCKS)
 
 
@@ -94,3 +96,26 @@ def test_the_load_skips_the_dense_weights_of_layers_served_from_blocks(smollm2_d
             want = reference.compute_logits(reference(ids, pos, _Context()))
             got = model.compute_logits(model(ids, pos, _Context()))
         torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-3)
+
+
+@needs_kernels
+def test_where_dot_and_amx_take_every_call_the_panels_levels_go():
+    """bf16 on AMX: the dot kernel (1-3 rows) and the tile unit (4 rows on) read their own
+    copies of a Q4_1 layer's levels, so the panels keep only their scales and minimums;
+    the layer holds 1.25 bytes a weight where it would hold 1.75."""
+    from gpu.cpu.capabilities import CpuCapabilities
+
+    caps = CpuCapabilities.of(KERNELS)
+    if not (caps.amx and caps.has("q4_1_linear_bf16")):
+        pytest.skip("needs AMX and the AVX512-BF16 dot kernel")
+    n, k = 256, 512
+    q = rewritten("Q4_K", random_blocks("Q4_K", n, k, seed=5), n)
+    layer = PackedLinear(torch.empty(n, k, dtype=torch.bfloat16), quantized=q, kernels=caps,
+                         amx=True, blocks_only=True)
+    assert layer.quantized.tensors[0].numel() == 0
+    assert layer.nbytes == n * k * 1.25 and layer.read_bytes == n * k * 0.75
+    x = torch.randn(5, k).bfloat16()
+    want = x.float() @ q.dequantize().T
+    for rows in (1, 5):
+        torch.testing.assert_close(layer(x[:rows]).float(), want[:rows],
+                                   atol=1e-2 * want.abs().max().item(), rtol=1e-2)

@@ -31,6 +31,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -159,11 +160,26 @@ class PackedLinear(nn.Module):
         self.plain = (None if not plan.plain_below else narrow if self.widen else weight)
         self._plain_below = plan.plain_below
         self.plan = plan
+        # Where the dot kernel and the tile unit take every call (bf16 on AMX, the blocks
+        # held alone), nothing reads the panels' levels, only their scales and minimums:
+        # the two kernels' copies hold the same bytes, so these go (0.5 byte a weight).
+        if self.amx_levels is not None and self._dot_max_rows >= self.quantized_max_rows \
+                and plan.unpacked and plan.amx_rows.stop == sys.maxsize:
+            self.quantized = self.quantized.without_levels()
+            self._quantized_args = ()
 
     @property
     def block_max_rows(self) -> int:
         """Calls of up to this many rows read the blocks (widened, or on AMX)."""
         return self.amx_rows.stop - 1 if self.amx_rows is not None else self.quantized_max_rows
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes a call of few rows reads: the dot kernel's arguments where it takes them,
+        else the panels."""
+        if self._dot_args:
+            return sum(t.nbytes for t in self._dot_args[:-1])
+        return 0 if self.quantized is None else self.quantized.nbytes
 
     @property
     def nbytes(self) -> int:

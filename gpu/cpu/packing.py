@@ -285,8 +285,8 @@ def quantized_reads(model: nn.Module) -> QuantizedReads | None:
     if not layers and head_blocks is None:
         return None
     return QuantizedReads(
-        layer_bytes=sum(m.quantized.nbytes for m in layers),
-        head_bytes=head_blocks.nbytes if head_blocks is not None else 0,
+        layer_bytes=sum(m.read_bytes for m in layers),
+        head_bytes=head.read_bytes if head_blocks is not None else 0,
         layer_max_rows=min((_read_rows(m) for m in layers), default=0),
         head_max_rows=_read_rows(head) if head_blocks is not None else 0,
         layer_params=sum(m.in_features * m.out_features for m in layers))

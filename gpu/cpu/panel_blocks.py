@@ -71,6 +71,12 @@ class PanelBlocks:
         dwords = low | (high << 16)
         return torch.where(dwords >= 2**31, dwords - 2**32, dwords).to(torch.int32).contiguous()
 
+    def without_levels(self) -> PanelBlocks:
+        """These blocks' scales (and minimums) without their levels, for a layer whose
+        kernels read the levels from their own copies (`dot_pairs`, `amx_levels`)."""
+        return PanelBlocks(self.format, self.out_features,
+                           (self.tensors[0].new_empty(0), *self.tensors[1:]))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
