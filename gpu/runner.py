@@ -217,7 +217,7 @@ class ModelRunner:
             # Logs what its packed copies and the blocks add in host memory (negative where
             # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
             packing.pack_linears(self.model, blocks, kernels, spec.int8_activations,
-                                 checkpoint)
+                                 checkpoint, release=True)
             block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "

@@ -125,46 +125,86 @@ def write_quantized_gguf(path, cfg, tensors: dict[str, np.ndarray], types: dict[
     return path
 
 
-def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(tmp_path, caplog):
-    """Q4_K attention and MLP weights, a Q5_0 and an IQ4_XS one, a Q6_K up projection
-    (as llama-quantize's Q4_K_M mixes them) and a Q5_K down projection: the blocks
-    decode to the converted checkpoint exactly; the Q5_K weight, a type with no rewrite,
-    is dense and the log names its type."""
+LAYER_TYPES = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q4_K",
+               "self_attn.v_proj": "Q5_0", "self_attn.o_proj": "IQ4_XS",
+               "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A two-layer llama GGUF whose linears mix K-quant and other types, as
+    llama-quantize's K-quant mixes do (a Q6_K up projection beside Q4_K gate), with a
+    type that has no rewrite (Q5_K) and a Q6_K LM head; the weights' blocks are random."""
     from transformers import LlamaConfig
 
-    from models.gguf_convert import convert_gguf_to_hf_dir
-    from models.weights import iter_safetensors
-
     cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=256, rms_norm_eps=1e-6)
     shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256),
               "self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256),
               "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
               "mlp.down_proj": (256, 512)}
-    types = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q4_K",
-             "self_attn.v_proj": "Q5_0", "self_attn.o_proj": "IQ4_XS",
-             "mlp.gate_proj": "Q4_K", "mlp.up_proj": "Q6_K", "mlp.down_proj": "Q5_K"}
+    rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": np.random.default_rng(0).standard_normal(
-            (49152, 256), dtype=np.float32) * 0.02,
-        "model.norm.weight": np.ones(256, np.float32),
-        "model.layers.0.input_layernorm.weight": np.ones(256, np.float32),
-        "model.layers.0.post_attention_layernorm.weight": np.ones(256, np.float32)}
-    quantized = {}
-    for i, (module, (n, k)) in enumerate(shapes.items()):
-        name = f"model.layers.0.{module}.weight"
-        tensors[name] = random_blocks(types[module], n, k, seed=10 + i)
-        quantized[name] = types[module]
-    path = write_quantized_gguf(tmp_path / "mixed.gguf", cfg, tensors, quantized)
+        "model.embed_tokens.weight": rng.standard_normal((49152, 256), dtype=np.float32),
+        "lm_head.weight": random_blocks("Q6_K", 49152, 256, seed=1),
+        "model.norm.weight": np.ones(256, np.float32)}
+    types = {"lm_head.weight": "Q6_K"}
+    for layer in range(2):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = np.ones(256, np.float32)
+        for i, (module, (n, k)) in enumerate(shapes.items()):
+            name = f"model.layers.{layer}.{module}.weight"
+            tensors[name] = random_blocks(LAYER_TYPES[module], n, k, seed=10 * layer + i)
+            types[name] = LAYER_TYPES[module]
+    path = tmp_path_factory.mktemp("kquant") / "mixed.gguf"
+    return write_quantized_gguf(path, cfg, tensors, types), types
+
+
+def test_a_k_quant_gguf_converts_with_blocks_and_names_the_rest(k_quant_gguf, tmp_path,
+                                                                 caplog):
+    """The blocks decode to the checkpoint's values exactly (as a loader reads them, the
+    kept ones dequantized from the blocks); the Q5_K weights are dense and the log names
+    their type."""
+    from models.gguf_convert import convert_gguf_to_hf_dir
+    from models.weights import iter_safetensors
+
+    path, types = k_quant_gguf
     with caplog.at_level(logging.WARNING):
         out = convert_gguf_to_hf_dir(path, tmp_path / "converted", "float32")
     assert "Q5_K" in caplog.text and "served dequantized" in caplog.text
     blocks = gguf_blocks.load(out)
     dense = dict(iter_safetensors(out, torch.float32))
-    assert set(blocks) == {n for n, t in quantized.items() if t != "Q5_K"}
-    assert {n.split(".")[-2]: q.format for n, q in blocks.items()} == {
+    assert set(blocks) == {n for n, t in types.items() if t != "Q5_K"}
+    assert {n.split(".")[-2]: q.format for n, q in blocks.items() if "layers.0" in n} == {
         "q_proj": "q4_1", "k_proj": "q4_1", "v_proj": "q8_0", "o_proj": "q8_0",
         "gate_proj": "q4_1", "up_proj": "q8_16"}
+    assert blocks["lm_head.weight"].format == "q8_16"
     for name, q in blocks.items():
         assert torch.equal(q.dequantize(), dense[name]), name
+
+
+def test_a_k_quant_gguf_serves_what_transformers_computes(k_quant_gguf, tmp_path,
+                                                          monkeypatch):
+    """transformers' own GGUF loader (gguf-py's dequantizer) reads the same file: greedy
+    ids equal through the engine in float32, the split q/k/v (Q4_K beside Q5_0), the
+    Q6_K layers and head on their blocks."""
+    from transformers import AutoModelForCausalLM
+
+    from app.engine.sampling_params import SamplingParams
+    from app.llm import LLM
+    from models.resolve import CACHE_ENV
+    from tests.hf_reference import hf_greedy
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # its conversion: not the user's cache
+    path, _ = k_quant_gguf
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    prompts = [[5, 600, 7000, 42, 9], [17] * 3, list(range(100, 140))]
+    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    finally:
+        llm.shutdown()

@@ -75,19 +75,15 @@ def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]
     return out
 
 
-def _quantized_sources(model: nn.Module, quantized: dict[str, QuantizedWeight]
-                       ) -> dict[str, QuantizedWeight | list[QuantizedWeight]]:
-    """Our parameter name -> its quantized blocks, fused parameters stacked from their
-    HF parts in row order where every part was kept in one format, else a list of the
-    runs of parts that share one, each stacked, in row order (a `SplitLinear`)."""
-    def stacked(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        return parts[0] if len(parts) == 1 else QuantizedWeight.stack(parts)
+def _stacked_runs(parts: list[QuantizedWeight]) -> QuantizedWeight | list[QuantizedWeight]:
+    """A parameter's blocks from its HF parts in row order: stacked where every part was
+    kept in one format, else a list of the runs of parts that share one, each stacked
+    (a `SplitLinear`)."""
+    def stacked(run: list[QuantizedWeight]) -> QuantizedWeight:
+        return run[0] if len(run) == 1 else QuantizedWeight.stack(run)
 
-    out: dict[str, QuantizedWeight | list[QuantizedWeight]] = {}
-    for name, parts in _by_parameter(model, quantized).items():
-        runs = [stacked(list(run)) for _, run in itertools.groupby(parts, lambda p: p.format)]
-        out[name] = runs[0] if len(runs) == 1 else runs
-    return out
+    runs = [stacked(list(run)) for _, run in itertools.groupby(parts, lambda p: p.format)]
+    return runs[0] if len(runs) == 1 else runs
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
@@ -182,7 +178,7 @@ def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | 
 def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
                  kernels=None, int8_activations: bool = False,
                  checkpoint: Mapping[str, torch.Tensor] | None = None,
-                 blocks_only: bool = True) -> int:
+                 blocks_only: bool = True, release: bool = False) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
     a GGUF's blocks by HF name, used with the C++ kernels where they fit (`kernels`:
@@ -193,12 +189,18 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     file: cheaper than dequantizing the blocks), and then needs no parameter of its own
     (`params_not_needed`).
 
+    `release`: take each weight's blocks out of `quantized` as its layer is built, so
+    that the file's blocks and the layers' copies of them are never all in memory at
+    once (the runner's load: a 1.7B model's peak RSS).
+
     Returns the bytes the packed copies add to the weights (negative where blocks alone
-    replace fp32 weights, with int8 activations)."""
+    replace the weights)."""
     if not _packing_available():
         return 0
     kernels = _usable(kernels)
-    sources = _quantized_sources(model, quantized or {}) if kernels is not None else {}
+    quantized = quantized if quantized is not None else {}
+    # Our parameter -> its parts' HF names; their blocks are stacked as each layer is built.
+    names = _by_parameter(model, {n: n for n in quantized}) if kernels is not None else {}
     stored = _by_parameter(model, checkpoint) if checkpoint is not None else {}
     count, extra, used, on_amx, alone = 0, 0, 0, 0, 0
 
@@ -219,7 +221,9 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
 
     def pack(weight: torch.Tensor, name: str) -> PackedLinear | SplitLinear:
         nonlocal extra
-        q = sources.get(name)
+        hf = names.pop(name, None)
+        q = None if hf is None else _stacked_runs(
+            [quantized.pop(h) if release else quantized[h] for h in hf])
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
