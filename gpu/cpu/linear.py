@@ -54,7 +54,8 @@ _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
 
 def _scratch(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
-    """A [rows, cols] view of the thread's scratch buffer for `dtype`, grown as needed."""
+    """A [rows, cols] view of the model thread's scratch buffer for `dtype`, grown as
+    needed."""
     buffer = _SCRATCH.get(dtype)
     if buffer is None or buffer.numel() < rows * cols:
         buffer = _SCRATCH[dtype] = torch.empty(rows * cols, dtype=dtype)
