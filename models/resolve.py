@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from models.gguf_convert import StrPath, convert_gguf_to_hf_dir
-from models.weights import INDEX_FILE
+from models.weights import INDEX_FILE, iter_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
     blocks stay beside them for Ridgeline."""
     from safetensors.torch import save_file
 
-    from models.weights import iter_safetensors
-
     src, out_dir = resolve_model(model), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"export directory {out_dir} exists and is not empty")
@@ -104,7 +102,9 @@ def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
         dtype = json.loads((out_dir / "config.json").read_text()).get("torch_dtype", "float32")
         tensors = {name: t.to(getattr(torch, dtype)).contiguous()
                    for name, t in iter_safetensors(out_dir)}
-        save_file(tensors, str(weights), metadata={"format": "pt"})
+        # Written beside, then renamed over: the tensors may still be views of the file.
+        save_file(tensors, str(weights.with_suffix(".tmp")), metadata={"format": "pt"})
+        os.replace(weights.with_suffix(".tmp"), weights)
     return out_dir
 
 

@@ -33,8 +33,8 @@ The routes, in the order a call tries them:
 - `unpacked`: a GGUF layer that holds only its blocks (`LinearLayer.blocks_only`: no
   dense weight in memory) takes this where the routes above would take a dense one:
   slices of its panels widened per call into a scratch buffer (`quant_unpack.cpp`,
-  bf16 where the layer multiplies in bf16) and multiplied by oneDNN. At the rows that
-  reach it the widening is a few percent of the matmul.
+  bf16 where the layer multiplies in bf16) and multiplied by oneDNN. The widening is a
+  fixed cost per call, so this takes only the rows past `BLOCKS_ONLY_MAX_ROWS`.
 """
 
 from __future__ import annotations
