@@ -198,8 +198,8 @@ class ModelRunner:
             from gpu.cpu import packing
 
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
-            # The blocks serve float32 matmuls (a float32 model, or bf16 widened) and a bf16
-            # model's calls of few rows (`gpu/cpu/routing.py`).
+            # A GGUF's layers hold their blocks alone, every call reading them
+            # (`gpu/cpu/routing.py`); `--no-cpu-quantized-matmul` serves them dense.
             blocks = (gguf_blocks.load(spec.model_dir) if spec.cpu_quantized_matmul
                       and weights is None
                       and matmul_dtype in (torch.float32, torch.bfloat16) else {})

@@ -1,13 +1,14 @@
-"""A GGUF's quantized weight blocks, kept beside its dequantized checkpoint.
+"""A GGUF's quantized weight blocks: a converted GGUF's weights, kept as blocks only.
 
-Why: the float32 checkpoint a GGUF converts into holds exactly the values its blocks
-encode, but in 6-7x the bytes. A decode step of a few sequences is bound by how fast
-the weights stream from memory (SmolLM2 in float32: 540 MB a token), so the CPU's
-matmuls of few rows read these blocks instead and dequantize in registers
-(`gpu/cpu/kernels/quant_linear.cpp`), as llama.cpp does. The dequantized values are
-bit-identical to the float32 checkpoint's (gguf-py computes `d * q + m` in float32,
-and so does the kernel), so outputs differ from the float32 path only by summation
-order, like any two matmul libraries.
+Why: dequantized, a GGUF's weights take 2-7x the bytes (SmolLM2 in float32: 540 MB, a
+1.7B Q4_K_M in bf16: 3.4 GB), and a decode step of a few sequences is bound by how fast
+the weights stream from memory. So the CPU serves each layer from its blocks alone and
+dequantizes in registers (`gpu/cpu/kernels/quant_linear.cpp` and its siblings), as
+llama.cpp does; a loader that needs a weight dense (a GPU, the torch backend) gets
+`QuantizedWeight.dequantize`'s values (`models.weights.iter_safetensors`). Those are
+bit-identical to gguf-py's (it computes `d * q + m` in float32, and so do the kernels),
+so outputs differ from a dense float32 path only by summation order, like any two
+matmul libraries.
 
 Kept formats, the three the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
 scale `d` and minimum `m`: w = d*q + m), Q8_0 (32 int8, one scale: w = d*q) and Q8_16
@@ -41,7 +42,7 @@ from models import gguf_repack
 if TYPE_CHECKING:
     from gguf import ReaderTensor
 
-BLOCK = 32  # weights per block, both formats
+BLOCK = 32  # weights per block (a scale per 16 in Q8_16's)
 SUBDIR, FILE = "quantized", "weights.safetensors"
 FORMATS = ("q4_1", "q8_0", "q8_16")
 
