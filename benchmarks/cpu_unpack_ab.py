@@ -40,12 +40,13 @@ def random_weight(fmt: str, n: int, k: int):
                            None)
 
 
-def routes_of(layer, blocks_op) -> dict:
-    """name -> a call of `layer`'s weight through that route."""
+def routes_of(layer, tiled, blocks_op) -> dict:
+    """name -> a call of the weight through that route: `layer` holds the panels (no AMX,
+    so it keeps their levels), `tiled` the AMX kernel's copy where the host has AMX."""
     args = (*layer.quantized.tensors, layer.out_features)
     routes = {"blocks": lambda x: blocks_op(x, *args), "unpacked": layer._unpacked}
-    if layer.amx_rows is not None:
-        routes["amx"] = lambda x: layer._amx_op(x, *layer._amx_args)
+    if tiled.amx_rows is not None:
+        routes["amx"] = lambda x: tiled._amx_op(x, *tiled._amx_args)
     return routes
 
 
@@ -66,9 +67,11 @@ def main() -> None:
     print(describe(), "|", capabilities(caps))
     for fmt, (n, k) in SHAPES.items():
         q = random_weight(fmt, n, k)
-        layer = PackedLinear(torch.empty(n, k, dtype=dtype), quantized=q, kernels=caps,
-                             amx=caps.amx, blocks_only=True)
-        routes = routes_of(layer, caps.op(f"{fmt}_linear"))
+        weight = torch.empty(n, k, dtype=dtype)
+        layer = PackedLinear(weight, quantized=q, kernels=caps, blocks_only=True)
+        tiled = PackedLinear(weight, quantized=q, kernels=caps, amx=caps.amx,
+                             blocks_only=True)
+        routes = routes_of(layer, tiled, caps.op(f"{fmt}_linear"))
         print(f"\n{fmt} [{n}, {k}], {args.dtype}: ms per call (median of {args.reps})")
         print("rows " + " ".join(f"{r:>9}" for r in routes))
         for rows in ROWS:  # oneDNN builds a kernel per new shape: not what is timed

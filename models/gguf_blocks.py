@@ -29,7 +29,7 @@ row permutation undone like the dense tensors').
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,8 +121,10 @@ def save(tensors: dict[str, dict[str, np.ndarray]], formats: dict[str, str],
     (model_dir / SUBDIR / FILE).chmod(0o644)  # a shared cache: readable by other users
 
 
-def load(model_dir: str | Path) -> dict[str, QuantizedWeight]:
-    """HF weight name -> its blocks; empty when the directory has none."""
+def load(model_dir: str | Path, only: Collection[str] | None = None
+         ) -> dict[str, QuantizedWeight]:
+    """HF weight name -> its blocks (those named in `only`, where given); empty when the
+    directory has none."""
     from safetensors import safe_open
 
     path = Path(model_dir) / SUBDIR / FILE
@@ -133,4 +135,21 @@ def load(model_dir: str | Path) -> dict[str, QuantizedWeight]:
         return {name: QuantizedWeight(
             fmt, f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
             f.get_tensor(f"{name}.mins") if fmt == "q4_1" else None)
-            for name, fmt in formats.items()}
+            for name, fmt in formats.items() if only is None or name in only}
+
+
+def shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """HF weight name -> the [N, K] weight its blocks hold, read from the file's header
+    (no block is read)."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / SUBDIR / FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        out = {}
+        for name, fmt in formats.items():
+            rows, cols = f.get_slice(f"{name}.qweight").get_shape()
+            out[name] = (rows, cols * (2 if fmt == "q4_1" else 1))
+        return out

@@ -72,12 +72,13 @@ def iter_safetensors(
                     raise ValueError(f"{path}: cannot read tensor {name}: {e}") from e
                 seen.add(name)
                 yield name, tensor if dtype is None else tensor.to(dtype)
-    for name, q in gguf_blocks.load(model_dir).items():
-        if name in seen:
-            continue  # an older conversion, or an export: written dense too
+    # Written dense too in an older conversion or an export; the placeholders' blocks
+    # are never read, only the header's shapes.
+    kept = {n: s for n, s in gguf_blocks.shapes(model_dir).items() if n not in seen}
+    blocks = gguf_blocks.load(model_dir, only=[n for n in kept if n not in placeholders])
+    for name, shape in kept.items():
         if name in placeholders:
-            yield name, torch.empty(q.out_features, q.in_features,
-                                    dtype=dtype or torch.float32, device="meta")
+            yield name, torch.empty(shape, dtype=dtype or torch.float32, device="meta")
         else:
-            weight = q.dequantize()
+            weight = blocks.pop(name).dequantize()
             yield name, weight if dtype is None else weight.to(dtype)

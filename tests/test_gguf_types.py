@@ -189,22 +189,11 @@ def test_a_k_quant_gguf_serves_what_transformers_computes(k_quant_gguf, tmp_path
     """transformers' own GGUF loader (gguf-py's dequantizer) reads the same file: greedy
     ids equal through the engine in float32, the split q/k/v (Q4_K beside Q5_0), the
     Q6_K layers and head on their blocks."""
-    from transformers import AutoModelForCausalLM
-
-    from app.engine.sampling_params import SamplingParams
-    from app.llm import LLM
     from models.resolve import CACHE_ENV
-    from tests.hf_reference import hf_greedy
+    from tests.hf_reference import gguf_greedy_both
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # its conversion: not the user's cache
     path, _ = k_quant_gguf
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32).eval()
-    prompts = [[5, 600, 7000, 42, 9], [17] * 3, list(range(100, 140))]
-    llm = LLM(str(path), dtype="float32", max_model_len=128)
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
-                                                    ignore_eos=True), use_tqdm=False)
-        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
-    finally:
-        llm.shutdown()
+    ours, theirs = gguf_greedy_both(path, [[5, 600, 7000, 42, 9], [17] * 3,
+                                           list(range(100, 140))], 8, 128)
+    assert ours == theirs

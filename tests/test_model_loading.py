@@ -261,21 +261,11 @@ def assert_same_tensors(converted: Path, original: Path, dtype: torch.dtype) -> 
 
 def test_qwen2_gguf_serves_what_transformers_computes(tiny_ggufs, gguf_cache):
     """transformers' own GGUF loader is the independent reader of the same file."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.hf_reference import hf_greedy
+    from tests.hf_reference import gguf_greedy_both
 
     gguf, _ = tiny_ggufs["qwen2"]
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                              dtype=torch.float32).eval()
-    prompts = [[5, 600, 7000, 42, 9], [17] * 3]
-    llm = LLM(str(gguf), dtype="float32", max_model_len=64)
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
-                                                    ignore_eos=True), use_tqdm=False)
-        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
-    finally:
-        llm.shutdown()
+    ours, theirs = gguf_greedy_both(gguf, [[5, 600, 7000, 42, 9], [17] * 3], 12, 64)
+    assert ours == theirs
 
 
 def test_gguf_of_an_unconvertible_architecture_is_refused(tmp_path):

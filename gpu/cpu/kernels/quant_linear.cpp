@@ -108,40 +108,32 @@ inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const auto bl = w.block(p, b);
-    if constexpr (W::kHalfScales) {
-      // A scale per half block: the sums over k = j and k = j + 16 kept apart.
-      __m512 lo[T][2], hi[T][2];
-      for (int t = 0; t < T; ++t) lo[t][0] = lo[t][1] = hi[t][0] = hi[t][1] = _mm512_setzero_ps();
-      for (int j = 0; j < 16; ++j) {
-        if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
-        __m512 lo0, lo1, hi0, hi1;
-        W::levels(bl, j, lo0, lo1, hi0, hi1);
-        for (int t = 0; t < T; ++t) {
-          const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
-          const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
-          lo[t][0] = _mm512_fmadd_ps(lo0, xa, lo[t][0]);
-          lo[t][1] = _mm512_fmadd_ps(lo1, xa, lo[t][1]);
-          hi[t][0] = _mm512_fmadd_ps(hi0, xb, hi[t][0]);
-          hi[t][1] = _mm512_fmadd_ps(hi1, xb, hi[t][1]);
-        }
-      }
-      for (int t = 0; t < T; ++t)
-        W::add_halves(bl, lo[t][0], lo[t][1], hi[t][0], hi[t][1], acc[t][0], acc[t][1]);
-    } else {
-      __m512 qx[T][2];
-      for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = _mm512_setzero_ps();
-      for (int j = 0; j < 16; ++j) {
-        if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
-        __m512 lo0, lo1, hi0, hi1;
-        W::levels(bl, j, lo0, lo1, hi0, hi1);
-        for (int t = 0; t < T; ++t) {
-          const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
-          const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
+    // qx: sum(q x) over the block; where it has a scale per half (kHalfScales), over
+    // k = j only, and hx over k = j + 16, so that each half is scaled once.
+    __m512 qx[T][2], hx[T][2];
+    for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = hx[t][0] = hx[t][1] = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
+      __m512 lo0, lo1, hi0, hi1;
+      W::levels(bl, j, lo0, lo1, hi0, hi1);
+      for (int t = 0; t < T; ++t) {
+        const __m512 xa = _mm512_set1_ps(x[t * xs + b * kBlock + j]);
+        const __m512 xb = _mm512_set1_ps(x[t * xs + b * kBlock + j + 16]);
+        if constexpr (W::kHalfScales) {
+          qx[t][0] = _mm512_fmadd_ps(lo0, xa, qx[t][0]);
+          qx[t][1] = _mm512_fmadd_ps(lo1, xa, qx[t][1]);
+          hx[t][0] = _mm512_fmadd_ps(hi0, xb, hx[t][0]);
+          hx[t][1] = _mm512_fmadd_ps(hi1, xb, hx[t][1]);
+        } else {
           qx[t][0] = _mm512_fmadd_ps(hi0, xb, _mm512_fmadd_ps(lo0, xa, qx[t][0]));
           qx[t][1] = _mm512_fmadd_ps(hi1, xb, _mm512_fmadd_ps(lo1, xa, qx[t][1]));
         }
       }
-      for (int t = 0; t < T; ++t)
+    }
+    for (int t = 0; t < T; ++t) {
+      if constexpr (W::kHalfScales)
+        W::add_halves(bl, qx[t][0], qx[t][1], hx[t][0], hx[t][1], acc[t][0], acc[t][1]);
+      else
         W::add_block(bl, qx[t][0], qx[t][1], x_sums[t * ks + b], acc[t][0], acc[t][1]);
     }
   }

@@ -238,8 +238,8 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
 }
 
 // The layout above from the panels' levels (qweight [P, K/32, 16, 32] uint8): done at
-// load, once per weight, in one parallel pass (a 1.7B model's levels in well under a
-// second, where tensor arithmetic took seconds).
+// load, once per weight, in one parallel pass over the bytes (in int64 tensor
+// arithmetic it was most of a large model's load).
 at::Tensor q4_1_dot_pairs(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 4 &&
                   qweight.is_contiguous() && qweight.size(2) == 16 && qweight.size(3) == kPanel,
