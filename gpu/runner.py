@@ -200,9 +200,11 @@ class ModelRunner:
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
             # A GGUF's layers hold their blocks alone, every call reading them
             # (`gpu/cpu/routing.py`); `--no-cpu-quantized-matmul` serves them dense.
-            blocks = (gguf_blocks.load(spec.model_dir) if spec.cpu_quantized_matmul
-                      and weights is None
-                      and matmul_dtype in (torch.float32, torch.bfloat16) else {})
+            # Read from the GGUF as each layer is built, rewritten by the C++ kernels.
+            gguf = {} if weights is not None else gguf_blocks.load(
+                spec.model_dir, repack=self.capabilities.op("gguf_repack"))
+            blocks = gguf if spec.cpu_quantized_matmul and matmul_dtype in (
+                torch.float32, torch.bfloat16) else {}
             kernels = self.capabilities
             if spec.int8_activations and (why := packing.int8_unavailable(
                     self.dtype, blocks, kernels)):
@@ -212,12 +214,12 @@ class ModelRunner:
             skip = packing.params_not_needed(model, blocks, kernels, spec.int8_activations)
             # By name, for `pack_linears`: views of the mapped files, no copies.
             checkpoint = dict(weights if weights is not None else iter_safetensors(
-                spec.model_dir, placeholders=model.checkpoint_names(skip)))
+                spec.model_dir, placeholders=model.checkpoint_names(skip), blocks=gguf))
             model.load_weights(checkpoint.items(), skip=skip)
             # Logs what its packed copies and the blocks add in host memory (negative where
             # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
             packing.pack_linears(self.model, blocks, kernels, spec.int8_activations,
-                                 checkpoint, release=True)
+                                 checkpoint)
             block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "

@@ -1,4 +1,4 @@
-"""A GGUF's quantized weight blocks: a converted GGUF's weights, kept as blocks only.
+"""A GGUF's quantized weight blocks, served from the GGUF file itself.
 
 Why: dequantized, a GGUF's weights take 2-7x the bytes (SmolLM2 in float32: 540 MB, a
 1.7B Q4_K_M in bf16: 3.4 GB), and a decode step of a few sequences is bound by how fast
@@ -12,38 +12,35 @@ matmul libraries.
 
 Kept formats, the three the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
 scale `d` and minimum `m`: w = d*q + m), Q8_0 (32 int8, one scale: w = d*q) and Q8_16
-(int8 with a scale per 16). The other GGUF types the kernels serve (Q4_0, Q4_K, Q5_0,
-Q3_K, Q6_K, IQ4_NL, IQ4_XS) are rewritten into one of them at conversion, exactly
-(`models/gguf_repack.py`); types with no rewrite are not kept: those layers use the
-dense weights.
+(int8 with a scale per 16). The GGUF types the kernels serve (Q4_0, Q4_1, Q4_K, Q5_0,
+Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS) are rewritten into one of them as they are read,
+exactly (`models/gguf_repack.py`, and its C++ twin `gguf_repack` in the CPU kernels);
+types with no rewrite are not kept: those layers use the dense weights.
 
-On disk: `quantized/weights.safetensors` in the converted directory (a subdirectory,
-so the checkpoint loader never mistakes it for weights), per HF weight name `W`:
-`W.qweight` (uint8 [N, K/2] nibbles, or int8 [N, K]), `W.scales` ([N, K/32], or
-[N, K/16] for Q8_16) and for Q4_1
-`W.mins` (float32 [N, K/32]: the file's f16 values widened, or their products with
-the K-quants' 6-bit scales). Rows are in HF order (the Q/K
-row permutation undone like the dense tensors').
+Nothing of the blocks is copied to disk: a converted directory holds
+`quantized/blocks.json`, the GGUF's path (relative to that folder, or absolute) and,
+per HF weight name, where its tensor lies in the file, its GGUF type, shape and the
+format it is served in (and for llama's q/k, the heads whose rotary rows are
+un-interleaved as they are read). `load` returns a mapping that reads and rewrites a
+weight when it is asked for, so a load holds one GGUF tensor at a time beside the
+layers it has built, and each start costs one read of the file.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from models import gguf_repack
-
-if TYPE_CHECKING:
-    from gguf import ReaderTensor
+from models import gguf_file, gguf_repack
 
 BLOCK = 32  # weights per block (a scale per 16 in Q8_16's)
-SUBDIR, FILE = "quantized", "weights.safetensors"
+SUBDIR, INDEX = "quantized", "blocks.json"
 FORMATS = ("q4_1", "q8_0", "q8_16")
 
 
@@ -91,65 +88,116 @@ class QuantizedWeight:
                                torch.cat([p.scales for p in parts]), mins)
 
 
-def blocks_of(t: ReaderTensor, rows: int,
-              permute: Callable[[np.ndarray], np.ndarray] | None
-              ) -> tuple[str, dict[str, np.ndarray]] | None:
-    """One GGUF tensor of `rows` rows in a kernels' format (`models/gguf_repack.py`):
-    (format, arrays), or None for a type with no rewrite. `permute` reorders rows
-    (llama.cpp's Q/K interleave undone)."""
-    kept = gguf_repack.repack(t.tensor_type.name, t.data, rows)
-    if kept is None:
-        return None
-    fmt, out = kept
-    if permute is not None:
-        out = {k: np.ascontiguousarray(permute(v)) for k, v in out.items()}
-    return fmt, out
+@dataclass(frozen=True)
+class BlockSource:
+    """Where one HF weight's blocks lie in the GGUF, and how they are served: `heads` is
+    set for llama's q/k, whose rotary rows are un-interleaved over that many heads."""
+
+    tensor: str
+    type_name: str
+    offset: int
+    nbytes: int
+    out_features: int
+    in_features: int
+    format: str
+    heads: int | None = None
 
 
-def save(tensors: dict[str, dict[str, np.ndarray]], formats: dict[str, str],
-         model_dir: Path) -> None:
-    """Write the kept blocks of every HF weight name into `model_dir/quantized/`."""
-    from safetensors.torch import save_file
+# repack(type name, raw uint8 [rows, bytes], source rows int64 [rows] or None)
+# -> [qweight, scales, mins (empty for q8_0 / q8_16)]: the CPU kernels' `gguf_repack`.
+Repack = Callable[[str, torch.Tensor, torch.Tensor | None], list[torch.Tensor]]
 
-    if not tensors:
+
+class GGUFBlocks(Mapping[str, QuantizedWeight]):
+    """HF weight name -> its blocks, read from the GGUF and rewritten when asked for (not
+    kept: a second ask reads again). `sources` says what each holds without reading.
+    `repack`: the C++ rewrite where the CPU kernels are built, else the numpy one."""
+
+    def __init__(self, gguf_path: Path, sources: dict[str, BlockSource],
+                 repack: Repack | None = None) -> None:
+        self.gguf_path, self.sources, self.repack = gguf_path, sources, repack
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        src = self.sources[name]
+        rows = (None if src.heads is None else np.ascontiguousarray(
+            gguf_repack.undo_qk_permutation(np.arange(src.out_features), src.heads)))
+        with gguf_file.mapped(self.gguf_path, src.offset, src.nbytes) as raw:
+            raw = raw.reshape(src.out_features, -1)
+            if self.repack is not None:
+                q, d, m = self.repack(src.type_name, torch.from_numpy(raw),
+                                      None if rows is None else torch.from_numpy(rows))
+                return QuantizedWeight(src.format, q, d, m if src.format == "q4_1" else None)
+            fmt, arrays = gguf_repack.repack(src.type_name, raw, src.out_features)
+            # Copies (row-reordered or not): nothing may keep the mapping alive.
+            arrays = {k: np.array(v if rows is None else v[rows]) for k, v in arrays.items()}
+        return QuantizedWeight(fmt, torch.from_numpy(arrays["qweight"]),
+                               torch.from_numpy(arrays["scales"]),
+                               torch.from_numpy(arrays["mins"]) if "mins" in arrays else None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def save(sources: dict[str, BlockSource], gguf_path: Path, model_dir: Path) -> None:
+    """Record where each kept weight's blocks lie in `gguf_path` (and the file's size and
+    modification time, which `load` checks) in `model_dir/quantized/`."""
+    if not sources:
         return
-    flat = {f"{name}.{part}": torch.from_numpy(arr)
-            for name, parts in tensors.items() for part, arr in parts.items()}
+    stat = gguf_path.stat()
     (model_dir / SUBDIR).mkdir()
-    save_file(flat, str(model_dir / SUBDIR / FILE),
-              metadata={"format": "pt", "formats": json.dumps(formats)})
-    (model_dir / SUBDIR / FILE).chmod(0o644)  # a shared cache: readable by other users
+    index = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+             "weights": {name: asdict(src) for name, src in sources.items()}}
+    path = model_dir / SUBDIR / INDEX
+    path.write_text(json.dumps(index, indent=1) + "\n")
+    path.chmod(0o644)  # a shared cache: readable by other users
 
 
-def load(model_dir: str | Path, only: Collection[str] | None = None
-         ) -> dict[str, QuantizedWeight]:
-    """HF weight name -> its blocks (those named in `only`, where given); empty when the
-    directory has none."""
-    from safetensors import safe_open
-
-    path = Path(model_dir) / SUBDIR / FILE
+def load(model_dir: str | Path, repack: Repack | None = None) -> GGUFBlocks | dict:
+    """HF weight name -> its blocks; empty when the directory has none. Raises
+    FileNotFoundError when the GGUF they are read from is gone or has changed."""
+    path = Path(model_dir) / SUBDIR / INDEX
     if not path.is_file():
         return {}
-    with safe_open(str(path), framework="pt") as f:
-        formats = json.loads(f.metadata()["formats"])
-        return {name: QuantizedWeight(
-            fmt, f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"),
-            f.get_tensor(f"{name}.mins") if fmt == "q4_1" else None)
-            for name, fmt in formats.items() if only is None or name in only}
+    index = json.loads(path.read_text())
+    gguf = path.parent / index["gguf"]  # an absolute path stays as it is
+    try:
+        stat = gguf.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{model_dir} serves its weights from {gguf}, which no "
+                                "longer exists: pass the GGUF itself again") from None
+    if (stat.st_size, stat.st_mtime_ns) != (index["size"], index["mtime_ns"]):
+        raise FileNotFoundError(f"{model_dir} serves its weights from {gguf}, which has "
+                                "changed since: pass the GGUF itself again")
+    return GGUFBlocks(gguf, {name: BlockSource(**src) for name, src
+                             in index["weights"].items()}, repack)
 
 
 def shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
-    """HF weight name -> the [N, K] weight its blocks hold, read from the file's header
-    (no block is read)."""
-    from safetensors import safe_open
+    """HF weight name -> the [N, K] weight its blocks hold (nothing is read)."""
+    blocks = load(model_dir)
+    return {name: (src.out_features, src.in_features)
+            for name, src in getattr(blocks, "sources", {}).items()}
 
-    path = Path(model_dir) / SUBDIR / FILE
+
+def embed_gguf(model_dir: Path) -> None:
+    """Make `model_dir` (a copy of a converted directory) carry its GGUF: the file is
+    copied (or hard-linked) into `quantized/` and the index names it relatively."""
+    path = model_dir / SUBDIR / INDEX
     if not path.is_file():
-        return {}
-    with safe_open(str(path), framework="pt") as f:
-        formats = json.loads(f.metadata()["formats"])
-        out = {}
-        for name, fmt in formats.items():
-            rows, cols = f.get_slice(f"{name}.qweight").get_shape()
-            out[name] = (rows, cols * (2 if fmt == "q4_1" else 1))
-        return out
+        return
+    index = json.loads(path.read_text())
+    source = path.parent / index["gguf"]
+    target = path.parent / source.name
+    if target != source:
+        try:
+            os.link(source, target)
+        except OSError:
+            import shutil
+
+            shutil.copy2(source, target)
+    stat = target.stat()
+    index |= {"gguf": target.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    path.write_text(json.dumps(index, indent=1) + "\n")

@@ -2,51 +2,52 @@
 
 Everything downstream (the model, the weight loader, the tokenizer) reads one format,
 an HF directory with `config.json` and safetensors. Converting a GGUF once into that
-format costs seconds and lets the cached result load as fast as any HF checkpoint, so
-GGUF support is this one file rather than a second loading path.
+format lets it load like any HF checkpoint, so GGUF support is this one file rather
+than a second loading path.
 The weights whose GGUF type the CPU kernels read (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, Q3_K,
-Q6_K, IQ4_NL, IQ4_XS: `models/gguf_blocks.py`, `models/gguf_repack.py`) are kept as
-blocks and only as blocks: the CPU serves them from the blocks alone, and a loader that
-needs them dense (a GPU, `--attention-backend torch`) gets them dequantized from the
-blocks (`models.weights.iter_safetensors`), so the cache is about the file's size, not
-the model's in bf16. The other tensors (norms, types with no rewrite) are written dense
-in the dtype that will be served (bf16 on a GPU: half the bytes of fp32, and the same
-values the loader would have cast to); float32 is the exact path the parity tests use.
-`models.resolve.export_model` writes a complete HF directory, every weight dense.
+Q6_K, IQ4_NL, IQ4_XS: `models/gguf_blocks.py`, `models/gguf_repack.py`) are not
+converted at all: the directory records where they lie in the GGUF, the CPU serves
+them from those blocks alone, read from the file at each start, and a loader that needs
+them dense (a GPU, `--attention-backend torch`) gets them dequantized from the blocks
+(`models.weights.iter_safetensors`). So the directory is a few megabytes (config,
+tokenizer, norms) whatever the model's size. The other tensors (norms, types with no
+rewrite) are written dense in the dtype that will be served (bf16 on a GPU: half the
+bytes of fp32, and the same values the loader would have cast to); float32 is the
+exact path the parity tests use. `models.resolve.export_model` writes a complete HF
+directory, every weight dense.
 
 llama.cpp architectures `llama` (Llama, Mistral, SmolLM2), `qwen2` and `qwen3` map
 onto HF checkpoints; others (phi3, gemma, ...) are refused, naming these. Only
 `llama` permutes Q/K rows for its RoPE kernel; Qwen uses llama.cpp's NeoX rotation,
 which is HF's rotate-half already.
 
-The tensors are read with `gguf.GGUFReader` (not through transformers) so the weight
-path stays independent of transformers' own GGUF loader; the tests compare the two.
-`gguf` is imported only when a file is converted: serving an HF directory must work
-on a machine without it (the GPU box has none).
-The tokenizer does go through transformers: rebuilding a BPE tokenizer from GGUF
-vocab and merges is exactly what its converter already does well.
+The file is read with our own header reader (`models/gguf_file.py`: milliseconds,
+where gguf-py's reader took seconds on a tokenizer's strings), not through
+transformers, so the weight path stays independent of transformers' own GGUF loader;
+the tests compare the two. gguf-py is imported only to dequantize a type with no
+rewrite; serving an HF directory must work on a machine without it (the GPU box has
+none). The tokenizer does go through transformers: rebuilding a BPE tokenizer from
+GGUF vocab and merges is exactly what its converter already does well.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from models import gguf_blocks, gguf_repack
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+from models.gguf_file import GGUFFile, TensorInfo
+from models.gguf_repack import undo_qk_permutation
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +89,6 @@ _GLOBAL_TENSORS = {
 _REQUIRED_GLOBAL = ("token_embd.weight", "output_norm.weight")
 
 
-def undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute()` on attn_q (n_head) / attn_k (n_head_kv) rows.
-
-    llama.cpp stores each head's rotary rows interleaved (pairs x0,x1 adjacent) for its
-    RoPE kernel; HF Llama rotates the two halves of a head (x_i with x_{i+d/2}). The
-    forward map is `reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`; this swaps back.
-    """
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        raise ValueError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
                            dtype: str = "float32") -> Path:
     """Write config, `dtype` safetensors, generation config and tokenizer to `out_dir`.
@@ -116,7 +104,7 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
         raise FileExistsError(f"output directory {out_dir} already exists")
     if dtype not in DTYPES:
         raise ValueError(f"cannot cache a GGUF as {dtype!r}; choose one of {tuple(DTYPES)}")
-    reader = _open_reader(gguf_path)
+    reader = GGUFFile(gguf_path)
     meta = _Metadata(reader, gguf_path)
     _check_tensors(meta, reader)
     config = _hf_config(meta, reader, dtype)
@@ -129,14 +117,14 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(config, meta))
         _save_tokenizer(gguf_path, meta, tmp)
-        # The weights whose blocks are kept are not written dense: the blocks are their
-        # values (exactly, whatever the dtype here), and a loader that needs them dense
+        # The weights whose blocks are kept are not written at all: the load reads them
+        # from the GGUF (`models/gguf_blocks.py`), and a loader that needs them dense
         # dequantizes them (`models.weights.iter_safetensors`).
-        blocks, formats = _quantized_blocks(reader, config, gguf_path)
+        blocks = _block_sources(reader, config, gguf_path)
         save_file(_hf_tensors(reader, config, gguf_path, DTYPES[dtype], set(blocks)),
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
-        gguf_blocks.save(blocks, formats, tmp)
+        gguf_blocks.save(blocks, gguf_path, tmp)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -148,20 +136,10 @@ def convert_gguf_to_hf_dir(gguf_path: StrPath, out_dir: StrPath,
     return out_dir
 
 
-def _open_reader(path: Path) -> GGUFReader:
-    from gguf import GGUFReader
-
-    # The reader reports truncation as numpy reshape/view errors; name the file instead.
-    try:
-        return GGUFReader(path)
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
-
-
 class _Metadata:
     """Typed access to GGUF key-value metadata, with errors that name the file."""
 
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
+    def __init__(self, reader: GGUFFile, path: Path) -> None:
         self.reader, self.path = reader, path
         self.arch = self.get("general.architecture")
         if self.arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -170,12 +148,12 @@ class _Metadata:
                              "the model's HF directory)")
 
     def get(self, key: str, default: Any = ..., *, arch_key: bool = False) -> Any:
-        field = self.reader.get_field(f"{self.arch}.{key}" if arch_key else key)
-        if field is None:
+        value = self.reader.metadata.get(f"{self.arch}.{key}" if arch_key else key)
+        if value is None:
             if default is ...:
                 raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
     def arch_get(self, key: str, default: Any = ...) -> Any:
         return self.get(key, default, arch_key=True)
@@ -185,7 +163,7 @@ def _layer_tensors(arch: str) -> dict[str, str]:
     return _LAYER_TENSORS | _EXTRA_LAYER_TENSORS[arch]
 
 
-def _check_tensors(meta: _Metadata, reader: GGUFReader) -> None:
+def _check_tensors(meta: _Metadata, reader: GGUFFile) -> None:
     """Fail before the slow steps when the file lacks a tensor the model needs."""
     names = {t.name for t in reader.tensors}
     layers = int(meta.arch_get("block_count"))
@@ -203,7 +181,7 @@ def _check_tensors(meta: _Metadata, reader: GGUFReader) -> None:
                          "is not supported")
 
 
-def _hf_config(meta: _Metadata, reader: GGUFReader, dtype: str) -> dict[str, Any]:
+def _hf_config(meta: _Metadata, reader: GGUFFile, dtype: str) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     layers = int(meta.arch_get("block_count"))
     hidden = int(meta.arch_get("embedding_length"))
@@ -279,16 +257,14 @@ def _generation_config(config: dict[str, Any], meta: _Metadata) -> dict[str, Any
     return gen
 
 
-def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
+def _hf_tensors(reader: GGUFFile, config: dict[str, Any], path: Path,
                 dtype: torch.dtype, kept: set[str]) -> dict[str, torch.Tensor]:
     """Dequantize every tensor but those `kept` as blocks (to float32, then `dtype`) in
     HF shape, names and row order.
 
     Each tensor is cast as soon as it is dequantized, so the whole model is never held
     in float32 when a narrower dtype is asked for."""
-    from gguf.quants import dequantize
-
-    arch = reader.get_field("general.architecture").contents()
+    arch = reader.metadata["general.architecture"]
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
@@ -297,48 +273,65 @@ def _hf_tensors(reader: GGUFReader, config: dict[str, Any], path: Path,
             continue
         if name in kept:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        shape = tuple(reversed(t.shape))  # GGUF lists dims fastest-first
         try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            w = _dequantize(reader.read(t), t).reshape(shape)
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name} "
-                             f"({t.tensor_type.name}, shape {shape}): {e}") from e
-        permute = _row_permutation(t.name, arch, config)
-        out[name] = torch.tensor(w if permute is None else permute(w), dtype=dtype)  # a copy
+                             f"({t.type_name}, shape {shape}): {e}") from e
+        heads = _qk_heads(t.name, arch, config)
+        out[name] = torch.tensor(w if heads is None else undo_qk_permutation(w, heads),
+                                 dtype=dtype)  # a copy
     return out
 
 
-def _quantized_blocks(reader: GGUFReader, config: dict[str, Any], path: Path
-                      ) -> tuple[dict, dict]:
-    """The blocks of every weight whose type the kernels read (`models/gguf_repack.py`),
-    by HF name, and each one's format. Logs the types left to the dense weights."""
-    arch = reader.get_field("general.architecture").contents()
-    tensors, formats, dense = {}, {}, collections.Counter()
+def _dequantize(raw: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """A tensor's float32 values: the float types here, the others by gguf-py's
+    dequantizer (imported only for them)."""
+    if t.type_name == "F32":
+        return raw.view(np.float32)
+    if t.type_name == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if t.type_name == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(raw, GGMLQuantizationType[t.type_name]).astype(np.float32, copy=False)
+
+
+def _block_sources(reader: GGUFFile, config: dict[str, Any], path: Path
+                   ) -> dict[str, gguf_blocks.BlockSource]:
+    """Where the blocks of every weight whose type the kernels read lie in the file
+    (`models/gguf_repack.py`), by HF name. Logs the types left to the dense weights."""
+    arch = reader.metadata["general.architecture"]
+    sources, dense = {}, collections.Counter()
     for t in reader.tensors:
         name = _hf_name(t.name, arch)
-        rows = int(t.shape[-1]) if len(t.shape) == 2 else 0
-        if not (name and rows):
+        if not (name and t.rows):
             continue
-        kept = gguf_blocks.blocks_of(t, rows, _row_permutation(t.name, arch, config))
-        if kept:
-            formats[name], tensors[name] = kept
-        elif t.tensor_type.name not in gguf_repack.DENSE_TYPES:
-            dense[t.tensor_type.name] += int(t.n_elements)
+        fmt = gguf_repack.format_of(t.type_name)
+        if fmt is not None:
+            sources[name] = gguf_blocks.BlockSource(
+                t.name, t.type_name, t.offset, t.nbytes, t.rows, t.shape[0], fmt,
+                _qk_heads(t.name, arch, config))
+        elif t.type_name not in gguf_repack.DENSE_TYPES:
+            dense[t.type_name] += t.n_elements
     if dense:
         log.warning("%s: no CPU kernel reads %s blocks yet: those weights are served "
                     "dequantized (%s)", path, ", ".join(dense),
                     ", ".join(f"{k} {n / 1e6:.1f}M weights" for k, n in dense.items()))
-    return tensors, formats
+    return sources
 
 
-def _row_permutation(gguf_name: str, arch: str, config: dict[str, Any]):
-    """llama.cpp interleaves Q/K rotary rows only for `llama`: the map back, else None."""
+def _qk_heads(gguf_name: str, arch: str, config: dict[str, Any]) -> int | None:
+    """llama.cpp interleaves Q/K rotary rows only for `llama`: the heads to undo it over."""
     if arch != "llama":
         return None
     if gguf_name.endswith("attn_q.weight"):
-        return functools.partial(undo_qk_permutation, n_head=config["num_attention_heads"])
+        return config["num_attention_heads"]
     if gguf_name.endswith("attn_k.weight"):
-        return functools.partial(undo_qk_permutation, n_head=config["num_key_value_heads"])
+        return config["num_key_value_heads"]
     return None
 
 
@@ -355,9 +348,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
 
 def _save_tokenizer(gguf_path: Path, meta: _Metadata, out_dir: Path) -> None:
     """transformers' GGUF tokenizer conversion, with eos and chat template pinned to the GGUF."""
-    from transformers import AutoTokenizer  # heavy import, only needed when converting
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer = _gguf_tokenizer(gguf_path)
     tokens = meta.get("tokenizer.ggml.tokens", [])
     eos_id = meta.get("tokenizer.ggml.eos_token_id", None)
     if eos_id is not None and int(eos_id) < len(tokens) and tokenizer.eos_token != tokens[eos_id]:
@@ -366,6 +357,25 @@ def _save_tokenizer(gguf_path: Path, meta: _Metadata, out_dir: Path) -> None:
     if template and tokenizer.chat_template != template:
         tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _gguf_tokenizer(gguf_path: Path):
+    """transformers' tokenizer for a GGUF. Where transformers has its GGUF tokenizer
+    builder (5.x), call it directly: `AutoTokenizer` builds the same tokenizer but first
+    parses the whole file for a model config (seconds, for nothing here)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(gguf_path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return TokenizersBackend(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -3,8 +3,10 @@
 The CPU kernels read three block formats (`models/gguf_blocks.py`): `q4_1`, 32 levels
 of 4 bits with a float32 scale and minimum (w = d*q + m); `q8_0`, 32 int8 levels with a
 float32 scale (w = d*q); `q8_16`, int8 levels with a float32 scale per 16. The types
-llama.cpp users ship are these in other clothes, so they are rewritten at conversion
-rather than given kernels of their own:
+llama.cpp users ship are these in other clothes, so they are rewritten as a load reads
+them rather than given kernels of their own (this module is the reference and the
+portable path; `gpu/cpu/kernels/gguf_repack.cpp` does the same in one pass where the CPU
+kernels are built):
 
 | GGUF type | as | how |
 | --- | --- | --- |
@@ -28,6 +30,9 @@ an IQ4 or Q5_0 one 1.125 against ~0.56-0.69, a Q6_K or Q3_K one 1.25 against 0.8
 Types not listed (Q5_1, Q2_K, Q5_K, the other IQ types) are not kept as blocks: those
 weights are served from the dequantized checkpoint, and the conversion says so with
 each type's name and weight count (`models/gguf_convert.py`).
+
+The rows of llama's q and k are reordered too (`undo_qk_permutation`): llama.cpp
+interleaves each head's rotary pairs, HF rotates its two halves.
 """
 
 from __future__ import annotations
@@ -56,18 +61,18 @@ def _pair_nibbles(levels: np.ndarray) -> np.ndarray:
     return (levels[..., :16] | (levels[..., 16:] << 4)).astype(np.uint8)
 
 
-def _q4_0(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _q4_0(blocks: np.ndarray) -> Arrays:
     d = _f16(blocks[..., 0:2])
-    return "q4_1", {"qweight": blocks[..., 2:], "scales": d, "mins": d * np.float32(-8)}
+    return {"qweight": blocks[..., 2:], "scales": d, "mins": d * np.float32(-8)}
 
 
-def _q4_1(blocks: np.ndarray) -> tuple[str, Arrays]:
-    return "q4_1", {"qweight": blocks[..., 4:], "scales": _f16(blocks[..., 0:2]),
+def _q4_1(blocks: np.ndarray) -> Arrays:
+    return {"qweight": blocks[..., 4:], "scales": _f16(blocks[..., 0:2]),
                     "mins": _f16(blocks[..., 2:4])}
 
 
-def _q8_0(blocks: np.ndarray) -> tuple[str, Arrays]:
-    return "q8_0", {"qweight": blocks[..., 2:].view(np.int8), "scales": _f16(blocks[..., 0:2])}
+def _q8_0(blocks: np.ndarray) -> Arrays:
+    return {"qweight": blocks[..., 2:].view(np.int8), "scales": _f16(blocks[..., 0:2])}
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,25 +83,25 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _q4_k(blocks: np.ndarray) -> Arrays:
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sc, mn = _k_scales(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)  # 4 runs of 64 weights
     levels = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., 4, 2, 32]
     levels = levels.reshape(*blocks.shape[:-1], 8, 32)  # sub-block s = 2 * run + half
     shape = (*blocks.shape[:-2], -1)
-    return "q4_1", {"qweight": _pair_nibbles(levels).reshape(shape),
+    return {"qweight": _pair_nibbles(levels).reshape(shape),
                     "scales": (d[..., None] * sc).reshape(shape),
                     "mins": -(dmin[..., None] * mn).reshape(shape)}
 
 
-def _q5_0(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _q5_0(blocks: np.ndarray) -> Arrays:
     d = _f16(blocks[..., 0:2])
     high = blocks[..., 2:6].copy().view(np.uint32)  # [..., 1]: bit j is level j's fifth
     low = blocks[..., 6:22]
     nibbles = np.concatenate([low & 0x0F, low >> 4], axis=-1).astype(np.int16)
     fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
-    return "q8_0", {"qweight": (nibbles | (fifth << 4)) - 16, "scales": d}
+    return {"qweight": (nibbles | (fifth << 4)) - 16, "scales": d}
 
 
 def _iq4_levels(qs: np.ndarray) -> np.ndarray:
@@ -104,11 +109,11 @@ def _iq4_levels(qs: np.ndarray) -> np.ndarray:
     return IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
 
 
-def _iq4_nl(blocks: np.ndarray) -> tuple[str, Arrays]:
-    return "q8_0", {"qweight": _iq4_levels(blocks[..., 2:]), "scales": _f16(blocks[..., 0:2])}
+def _iq4_nl(blocks: np.ndarray) -> Arrays:
+    return {"qweight": _iq4_levels(blocks[..., 2:]), "scales": _f16(blocks[..., 0:2])}
 
 
-def _iq4_xs(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _iq4_xs(blocks: np.ndarray) -> Arrays:
     d = _f16(blocks[..., 0:2])
     high = blocks[..., 2:4].copy().view(np.uint16)  # [..., 1]: 2 bits per sub-block
     low = blocks[..., 4:8]
@@ -118,10 +123,10 @@ def _iq4_xs(blocks: np.ndarray) -> tuple[str, Arrays]:
     levels = _iq4_levels(blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16))
     shape = (*blocks.shape[:-2], -1)
     scales = (d[..., None] * scale).reshape(shape)
-    return "q8_0", {"qweight": levels.reshape(shape), "scales": scales}
+    return {"qweight": levels.reshape(shape), "scales": scales}
 
 
-def _q6_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _q6_k(blocks: np.ndarray) -> Arrays:
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
     sc, d = blocks[..., 192:208].view(np.int8), _f16(blocks[..., 208:210])
     # Two runs of 128 weights: ql's 64 bytes give 32 weights per nibble half, qh's 32
@@ -131,11 +136,11 @@ def _q6_k(blocks: np.ndarray) -> tuple[str, Arrays]:
     qh = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     levels = (ql | ((qh & 3) << 4)).astype(np.int16) - 32
     shape = (*blocks.shape[:-2], -1)
-    return "q8_16", {"qweight": levels.reshape(shape),
+    return {"qweight": levels.reshape(shape),
                      "scales": (d[..., None] * sc.astype(np.float32)).reshape(shape)}
 
 
-def _q3_k(blocks: np.ndarray) -> tuple[str, Arrays]:
+def _q3_k(blocks: np.ndarray) -> Arrays:
     hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
     d = _f16(blocks[..., 108:110])
     low = packed[..., 0:8].reshape(*packed.shape[:-1], 1, 8) >> np.array([0, 4], np.uint8
@@ -151,24 +156,44 @@ def _q3_k(blocks: np.ndarray) -> tuple[str, Arrays]:
     bit = (bit & 1).reshape(*blocks.shape[:-1], 256).astype(np.int16)
     levels = low2 - ((bit ^ 1) << 2)  # 4 is taken away where the high bit is clear
     shape = (*blocks.shape[:-2], -1)
-    return "q8_16", {"qweight": levels.reshape(shape),
+    return {"qweight": levels.reshape(shape),
                      "scales": (d[..., None] * scale).reshape(shape)}
 
 
-# GGUF type name -> (weights per block, bytes per block, the rewrite of [rows, blocks, bytes]).
-REPACKERS: dict[str, tuple[int, int, Callable[[np.ndarray], tuple[str, Arrays]]]] = {
-    "Q4_0": (32, 18, _q4_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q8_0": (32, 34, _q8_0),
-    "Q4_K": (QK_K, 144, _q4_k),
-    "Q5_0": (32, 22, _q5_0),
-    "IQ4_NL": (32, 18, _iq4_nl),
-    "IQ4_XS": (QK_K, 136, _iq4_xs),
-    "Q6_K": (QK_K, 210, _q6_k),
-    "Q3_K": (QK_K, 110, _q3_k),
+def undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute()` on attn_q (n_head) / attn_k (n_head_kv) rows.
+
+    llama.cpp stores each head's rotary rows interleaved (pairs x0,x1 adjacent) for its
+    RoPE kernel; HF Llama rotates the two halves of a head (x_i with x_{i+d/2}). The
+    forward map is `reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`; this swaps back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# GGUF type name -> (the kernels' format, weights per block, bytes per block, the rewrite
+# of [rows, blocks, bytes]).
+REPACKERS: dict[str, tuple[str, int, int, Callable[[np.ndarray], Arrays]]] = {
+    "Q4_0": ("q4_1", 32, 18, _q4_0),
+    "Q4_1": ("q4_1", 32, 20, _q4_1),
+    "Q8_0": ("q8_0", 32, 34, _q8_0),
+    "Q4_K": ("q4_1", QK_K, 144, _q4_k),
+    "Q5_0": ("q8_0", 32, 22, _q5_0),
+    "IQ4_NL": ("q8_0", 32, 18, _iq4_nl),
+    "IQ4_XS": ("q8_0", QK_K, 136, _iq4_xs),
+    "Q6_K": ("q8_16", QK_K, 210, _q6_k),
+    "Q3_K": ("q8_16", QK_K, 110, _q3_k),
 }
 # Types served as the dense checkpoint's values, needing no blocks.
 DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def format_of(type_name: str) -> str | None:
+    """The kernels' format a GGUF type is served in, or None where it has no rewrite."""
+    entry = REPACKERS.get(type_name)
+    return None if entry is None else entry[0]
 
 
 def repack(type_name: str, raw: np.ndarray, rows: int) -> tuple[str, Arrays] | None:
@@ -177,9 +202,8 @@ def repack(type_name: str, raw: np.ndarray, rows: int) -> tuple[str, Arrays] | N
     entry = REPACKERS.get(type_name)
     if entry is None:
         return None
-    _, per_block, rewrite = entry
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, per_block)
-    fmt, arrays = rewrite(blocks)
+    fmt, _, per_block, rewrite = entry
+    arrays = rewrite(np.asarray(raw, dtype=np.uint8).reshape(rows, -1, per_block))
     dtypes = {"qweight": np.uint8 if fmt == "q4_1" else np.int8, "scales": np.float32,
               "mins": np.float32}
     return fmt, {k: np.ascontiguousarray(v.reshape(rows, -1), dtype=dtypes[k])

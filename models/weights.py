@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from models import gguf_blocks
+from models.gguf_blocks import GGUFBlocks
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -42,13 +43,15 @@ def safetensors_files(model_dir: str | os.PathLike[str]) -> list[Path]:
 
 def iter_safetensors(
     model_dir: str | os.PathLike[str], dtype: torch.dtype | None = None,
-    placeholders: Collection[str] = (),
+    placeholders: Collection[str] = (), blocks: GGUFBlocks | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor cast to `dtype`) for every tensor of the checkpoint: those
     of its safetensors files, then the weights a converted GGUF keeps only as blocks
     (`models/gguf_convert.py`), dequantized to float32 (then `dtype`), except those named
     in `placeholders`: a caller that will not read their values (it serves them from
     the blocks) gets a meta tensor of their shape instead, and nothing is dequantized.
+    `blocks`: those weights as the caller loaded them (`gguf_blocks.load` with the C++
+    rewrite), else loaded here.
 
     `dtype` None: each tensor as the file stores it, a view of the mapped file (no copy,
     nothing read until used). The model's loader copies these into its parameters,
@@ -72,13 +75,15 @@ def iter_safetensors(
                     raise ValueError(f"{path}: cannot read tensor {name}: {e}") from e
                 seen.add(name)
                 yield name, tensor if dtype is None else tensor.to(dtype)
-    # Written dense too in an older conversion or an export; the placeholders' blocks
-    # are never read, only the header's shapes.
-    kept = {n: s for n, s in gguf_blocks.shapes(model_dir).items() if n not in seen}
-    blocks = gguf_blocks.load(model_dir, only=[n for n in kept if n not in placeholders])
-    for name, shape in kept.items():
+    # Written dense too in an export; the placeholders' blocks are never read.
+    blocks = gguf_blocks.load(model_dir) if blocks is None else blocks
+    for name in blocks:
+        if name in seen:
+            continue
         if name in placeholders:
-            yield name, torch.empty(shape, dtype=dtype or torch.float32, device="meta")
+            src = blocks.sources[name]
+            yield name, torch.empty((src.out_features, src.in_features),
+                                    dtype=dtype or torch.float32, device="meta")
         else:
-            weight = blocks.pop(name).dequantize()
+            weight = blocks[name].dequantize()
             yield name, weight if dtype is None else weight.to(dtype)

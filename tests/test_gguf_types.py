@@ -197,3 +197,56 @@ def test_a_k_quant_gguf_serves_what_transformers_computes(k_quant_gguf, tmp_path
     ours, theirs = gguf_greedy_both(path, [[5, 600, 7000, 42, 9], [17] * 3,
                                            list(range(100, 140))], 8, 128)
     assert ours == theirs
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", sorted(gguf_repack.REPACKERS))
+def test_the_cpp_rewrite_is_the_reference_bit_for_bit(type_name):
+    """The load's rewrite (`gguf_repack` in the CPU kernels) gives the numpy reference's
+    levels, scales and minimums exactly, rows taken in the order asked (llama's q/k)."""
+    rows, k = 48, 512
+    raw = random_blocks(type_name, rows, k, seed=2)
+    fmt, ref = gguf_repack.repack(type_name, raw, rows)
+    order = np.random.default_rng(3).permutation(rows)
+    for source_rows in (None, order):
+        q, d, m = KERNELS.gguf_repack(type_name, torch.from_numpy(raw), None
+                                      if source_rows is None else torch.from_numpy(order))
+        pick = slice(None) if source_rows is None else order
+        assert q.numpy().tobytes() == ref["qweight"][pick].tobytes()
+        assert d.numpy().tobytes() == ref["scales"][pick].tobytes()
+        assert m.numpy().tobytes() == (ref["mins"][pick].tobytes() if fmt == "q4_1" else b"")
+
+
+def test_a_converted_gguf_keeps_no_copy_of_its_blocks(k_quant_gguf, tmp_path):
+    """The directory records where the blocks lie and reads them from the GGUF itself:
+    its files are a small fraction of the GGUF's bytes; blocks read through the C++
+    rewrite equal the numpy reference's; a GGUF changed or gone since is refused by name
+    rather than read as something else."""
+    import os
+
+    from models.gguf_convert import convert_gguf_to_hf_dir
+
+    path, types = k_quant_gguf
+    out = convert_gguf_to_hf_dir(path, tmp_path / "converted", "float32")
+    kept = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()
+               and f.name not in ("tokenizer.json", "model.safetensors"))
+    assert kept < 0.01 * path.stat().st_size
+    reference = gguf_blocks.load(out)
+    if KERNELS is not None:
+        fast = gguf_blocks.load(out, repack=KERNELS.gguf_repack)
+        for name in ("model.layers.1.self_attn.q_proj.weight", "lm_head.weight",
+                     "model.layers.0.mlp.up_proj.weight"):
+            a, b = fast[name], reference[name]
+            assert a.format == b.format and torch.equal(a.qweight, b.qweight)
+            assert torch.equal(a.scales, b.scales)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(FileNotFoundError, match="has changed since"):
+        gguf_blocks.load(out)
+    path.rename(tmp_path / "moved.gguf")
+    try:
+        with pytest.raises(FileNotFoundError, match="no longer exists"):
+            gguf_blocks.load(out)
+    finally:
+        (tmp_path / "moved.gguf").rename(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))

@@ -168,7 +168,7 @@ def test_fused_parts_in_mixed_formats_split_by_format(smollm2_dir):
     each reading its own blocks, with the fused weight's outputs; the layers whose parts
     agree keep one `PackedLinear`."""
     model = load_model(smollm2_dir)
-    blocks = gguf_blocks.load(smollm2_dir)
+    blocks = dict(gguf_blocks.load(smollm2_dir))  # read once, one weight replaced
     v = "model.layers.3.self_attn.v_proj.weight"
     assert blocks[v].format == "q4_1"
     blocks[v] = q8_0_of(blocks[v].dequantize())

@@ -112,7 +112,7 @@ def _parts_fit(parts: list[QuantizedWeight] | None, weight: torch.Tensor) -> boo
         and (sum(p.out_features for p in parts), parts[0].in_features) == tuple(weight.shape)
 
 
-def int8_unavailable(dtype: torch.dtype, quantized: dict[str, QuantizedWeight] | None,
+def int8_unavailable(dtype: torch.dtype, quantized: Mapping[str, QuantizedWeight] | None,
                      kernels) -> str | None:
     """Why `int8_activations` cannot run here (None: it can)."""
     if dtype != torch.float32:
@@ -149,7 +149,7 @@ def _packable(w: torch.Tensor) -> bool:
     return w.dtype in (torch.bfloat16, torch.float32) and w.device.type == "cpu"
 
 
-def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | None,
+def params_not_needed(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | None,
                       kernels, int8_activations: bool = False) -> set[str]:
     """The linear weights a load need not fill, as `pack_linears` will build their layers:
     those served from their blocks alone (every call through the blocks' kernels or
@@ -161,7 +161,9 @@ def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | 
     if kernels is None or not quantized:
         return set()
     widen = multiply_dtype(torch.bfloat16) == torch.float32
-    parts_of = _by_parameter(model, quantized)  # not stacked: `pack_linears` stacks them
+    # What each weight's blocks hold, read from a `GGUFBlocks`' index without reading the
+    # blocks; not stacked: `pack_linears` stacks them.
+    parts_of = _by_parameter(model, getattr(quantized, "sources", quantized))
     skip = set()
     for _, _, layer, name in _packable_linears(model):
         parts, dtype = parts_of.get(name), layer.weight.dtype
@@ -175,10 +177,10 @@ def params_not_needed(model: nn.Module, quantized: dict[str, QuantizedWeight] | 
     return skip
 
 
-def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None = None,
+def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | None = None,
                  kernels=None, int8_activations: bool = False,
                  checkpoint: Mapping[str, torch.Tensor] | None = None,
-                 blocks_only: bool = True, release: bool = False) -> int:
+                 blocks_only: bool = True) -> int:
     """Replace every bias-free bf16 or fp32 nn.Linear on CPU with a PackedLinear, and give
     a tied LM head (no `lm_head` module) a packed copy of the embedding. `quantized`:
     a GGUF's blocks by HF name, used with the C++ kernels where they fit (`kernels`:
@@ -189,9 +191,9 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
     file: cheaper than dequantizing the blocks), and then needs no parameter of its own
     (`params_not_needed`).
 
-    `release`: take each weight's blocks out of `quantized` as its layer is built, so
-    that the file's blocks and the layers' copies of them are never all in memory at
-    once (the runner's load: a 1.7B model's peak RSS).
+    Each weight's blocks are taken from `quantized` as its layer is built: from a
+    `GGUFBlocks` that is when they are read from the file, so a load holds one GGUF
+    tensor at a time beside the layers built so far.
 
     Returns the bytes the packed copies add to the weights (negative where blocks alone
     replace the weights)."""
@@ -223,7 +225,7 @@ def pack_linears(model: nn.Module, quantized: dict[str, QuantizedWeight] | None 
         nonlocal extra
         hf = names.pop(name, None)
         q = None if hf is None else _stacked_runs(
-            [quantized.pop(h) if release else quantized[h] for h in hf])
+            [quantized[h] for h in hf])
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
