@@ -198,9 +198,9 @@ class ModelRunner:
             from gpu.cpu import packing
 
             matmul_dtype = cpu_linear.multiply_dtype(self.dtype)
-            # A GGUF's layers hold their blocks alone, every call reading them
-            # (`gpu/cpu/routing.py`); `--no-cpu-quantized-matmul` serves them dense.
-            # Read from the GGUF as each layer is built, rewritten by the C++ kernels.
+            # A GGUF's layers hold their blocks alone (read from the file as each layer
+            # is built), every call reading them (`gpu/cpu/routing.py`);
+            # `--no-cpu-quantized-matmul` serves them dense.
             gguf = {} if weights is not None else gguf_blocks.load(
                 spec.model_dir, repack=self.capabilities.op("gguf_repack"))
             blocks = gguf if spec.cpu_quantized_matmul and matmul_dtype in (
@@ -218,8 +218,7 @@ class ModelRunner:
             model.load_weights(checkpoint.items(), skip=skip)
             # Logs what its packed copies and the blocks add in host memory (negative where
             # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
-            packing.pack_linears(self.model, blocks, kernels, spec.int8_activations,
-                                 checkpoint)
+            packing.pack_linears(self.model, blocks, kernels, spec.int8_activations, checkpoint)
             block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError("--int8-activations is for CPU: this model runs on "
