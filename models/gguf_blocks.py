@@ -28,6 +28,7 @@ layers it has built, and each start costs one read of the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -117,12 +118,20 @@ class GGUFBlocks(Mapping[str, QuantizedWeight]):
                  repack: Repack | None = None) -> None:
         self.gguf_path, self.sources, self.repack = gguf_path, sources, repack
 
-    def __getitem__(self, name: str) -> QuantizedWeight:
+    @contextlib.contextmanager
+    def mapped(self, name: str) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """`name`'s bytes as the GGUF stores them ([rows, bytes], a mapping valid inside
+        the block: nothing made from it may keep it), and the source row of each HF row
+        (None: the same order)."""
         src = self.sources[name]
         rows = (None if src.heads is None else np.ascontiguousarray(
             gguf_repack.undo_qk_permutation(np.arange(src.out_features), src.heads)))
         with gguf_file.mapped(self.gguf_path, src.offset, src.nbytes) as raw:
-            raw = raw.reshape(src.out_features, -1)
+            yield raw.reshape(src.out_features, -1), rows
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        src = self.sources[name]
+        with self.mapped(name) as (raw, rows):
             if self.repack is not None:
                 q, d, m = self.repack(src.type_name, torch.from_numpy(raw),
                                       None if rows is None else torch.from_numpy(rows))

@@ -35,7 +35,7 @@ OPS = (
     "q8_16_linear_amx",
     "q4_1_dequantize", "q8_0_dequantize", "q4_1_unpack", "q8_0_unpack", "q8_16_unpack",
     "argmax_rows", "sample_rows", "apply_penalties_", "apply_token_bitmask_",
-    "lora_delta_", "decode_layers_bf16", "gguf_repack",
+    "lora_delta_", "decode_layers_bf16", "gguf_repack", "gguf_repack_panels_",
 )
 
 

@@ -87,6 +87,15 @@ def _plan(dtype: torch.dtype, blocks: str | None, capabilities: CpuCapabilities,
     return plan_routes(LinearLayer(dtype, blocks, int8_activations, blocks_only), asked)
 
 
+def reads_panel_levels(plan: RoutePlan, fmt: str) -> bool:
+    """Whether some call of a layer with `plan` over `fmt` blocks reads the panels' levels:
+    not where the dot kernel and the Q4_1 AMX kernel, each from its own copy of them,
+    take every call (bf16 on AMX, the blocks held alone)."""
+    return not (fmt == "q4_1" and plan.amx_rows is not None and plan.unpacked
+                and plan.dot_max_rows >= plan.blocks_max_rows
+                and plan.amx_rows.stop == sys.maxsize)
+
+
 class PackedLinear(nn.Module):
     """A bias-free linear layer holding the weights of the routes its calls can take
     (`routing.plan_routes`): oneDNN's packed weight, the GGUF's blocks in the kernels'
@@ -164,8 +173,7 @@ class PackedLinear(nn.Module):
         # Where the dot kernel and the tile unit take every call (bf16 on AMX, the blocks
         # held alone), nothing reads the panels' levels, only their scales and minimums:
         # the two kernels' copies hold the same bytes, so these go (0.5 byte a weight).
-        if self.amx_levels is not None and self._dot_max_rows >= self.quantized_max_rows \
-                and plan.unpacked and plan.amx_rows.stop == sys.maxsize:
+        if self.quantized is not None and not reads_panel_levels(plan, quantized.format):
             self.quantized = self.quantized.without_levels()
             self._quantized_args = ()
 

@@ -27,9 +27,11 @@ from gpu.cpu.linear import (
     _plan,
     multiply_dtype,
     quantized_max_rows,
+    reads_panel_levels,
 )
+from gpu.cpu.panel_blocks import PanelBlocks
 from gpu.roofline import QuantizedReads
-from models.gguf_blocks import QuantizedWeight
+from models.gguf_blocks import GGUFBlocks, QuantizedWeight
 
 __all__ = ["SplitLinear", "int8_unavailable", "pack_linears", "params_not_needed",
            "quantized_reads"]
@@ -84,6 +86,24 @@ def _stacked_runs(parts: list[QuantizedWeight]) -> QuantizedWeight | list[Quanti
 
     runs = [stacked(list(run)) for _, run in itertools.groupby(parts, lambda p: p.format)]
     return runs[0] if len(runs) == 1 else runs
+
+
+def _read_panels(weight: torch.Tensor, quantized: Mapping[str, QuantizedWeight],
+                 names: list[str], kernels: CpuCapabilities, int8_activations: bool,
+                 widen: bool, blocks_only: bool) -> PanelBlocks | None:
+    """A GGUF weight's parts read straight into the kernels' panels (`PanelBlocks.read`)
+    where its layer needs nothing else from them: not a widened layer packed for oneDNN
+    (which dequantizes the blocks in row order). None: read them in row order."""
+    if not isinstance(quantized, GGUFBlocks):
+        return None
+    fmt = quantized.sources[names[0]].format
+    plan = _plan(weight.dtype, fmt, kernels, int8_activations,
+                 widen and weight.dtype == torch.bfloat16, kernels.amx, blocks_only)
+    if (widen and weight.dtype == torch.bfloat16 and plan.packed) \
+            or not (plan.blocks or plan.amx_rows is not None):
+        return None
+    return PanelBlocks.read(quantized, names, kernels, levels=reads_panel_levels(plan, fmt),
+                            amx=plan.amx_rows is not None, dot=plan.dot_max_rows > 0)
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
@@ -224,8 +244,9 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
     def pack(weight: torch.Tensor, name: str) -> PackedLinear | SplitLinear:
         nonlocal extra
         hf = names.pop(name, None)
-        q = None if hf is None else _stacked_runs(
-            [quantized[h] for h in hf])
+        q = None if hf is None else (_read_panels(weight, quantized, hf, kernels,
+                                                   int8_activations, widen, blocks_only)
+                                     or _stacked_runs([quantized[h] for h in hf]))
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
@@ -236,8 +257,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
                 weight[a:b], part, None if float32 is None else float32[a:b])
                 for part, a, b in zip(q, starts, starts[1:])])
         else:
-            layer = packed(weight, q if isinstance(q, QuantizedWeight) and _fits(q, weight)
-                           else None, float32)
+            layer = packed(weight, q if isinstance(q, (QuantizedWeight, PanelBlocks))
+                           and _fits(q, weight) else None, float32)
         # The layer's copies replace the weight, but for the embedding, still needed for
         # the lookup.
         weight_bytes = weight.numel() * weight.element_size()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.cpu.capabilities import CpuCapabilities
-from models.gguf_blocks import BLOCK, QuantizedWeight
+from models.gguf_blocks import BLOCK, GGUFBlocks, QuantizedWeight
 
 PANEL = 32  # output rows per panel of the kernels' layout
 
@@ -25,14 +25,62 @@ class PanelBlocks:
     format: str
     out_features: int
     tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
+    # Q4_1's copies for the AMX and the dot kernels, where `read` wrote them with the panels.
+    amx: torch.Tensor | None = None
+    dot: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.tensors[1].shape[1] * (16 if self.format == "q8_16" else BLOCK)
 
     @staticmethod
-    def of(q: QuantizedWeight) -> PanelBlocks:
+    def read(blocks: GGUFBlocks, names: list[str], kernels, levels: bool, amx: bool,
+             dot: bool) -> PanelBlocks | None:
+        """The weights `names` (their rows stacked in order, as q, k, v in one qkv) read
+        from the GGUF straight into panels by the kernels' `gguf_repack_panels_`: the
+        scales (and minimums), the levels where `levels` (else an empty tensor, as
+        `without_levels` leaves), Q4_1's AMX copy where `amx` and the dot kernel's where
+        `dot`. One pass from the mapped file where `of` takes a row-order copy, a stack
+        and a transpose, and each copy another pass. None where it cannot: no such op,
+        parts in different formats, or a part before the last that ends inside a panel."""
+        op = CpuCapabilities.of(kernels).op("gguf_repack_panels_") if kernels else None
+        sources = [blocks.sources[n] for n in names]
+        fmt = sources[0].format
+        if op is None or any(s.format != fmt or s.in_features != sources[0].in_features
+                             for s in sources) \
+                or any(s.out_features % PANEL for s in sources[:-1]):
+            return None
+        n, k = sum(s.out_features for s in sources), sources[0].in_features
+        panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
+        levels = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
+                              PANEL) if levels else 0,
+                             dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
+        scales = torch.empty(panels, k // per_scale, PANEL)
+        mins = torch.empty_like(scales) if fmt == "q4_1" else None
+        copy = torch.empty(panels, k // BLOCK, PANEL, 16, dtype=torch.uint8) \
+            if amx and fmt == "q4_1" else None
+        pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
+            if dot and fmt == "q4_1" else None
+        row0 = 0
+        for name, src in zip(names, sources, strict=True):
+            with blocks.mapped(name) as (raw, rows):
+                op(src.type_name, torch.from_numpy(raw), None if rows is None
+                   else torch.from_numpy(rows), levels.view(panels, -1, PANEL)
+                   if levels.numel() else None, scales, mins, copy, pairs, row0)
+            row0 += src.out_features
+        return PanelBlocks(fmt, n, (levels, scales) if mins is None else (levels, scales, mins),
+                           copy, pairs)
+
+    @staticmethod
+    def of(q: QuantizedWeight | PanelBlocks) -> PanelBlocks:
         """Repack GGUF row order ([N, K/2] nibbles or [N, K] int8; [N, K/32] scales)
         into panels: a permutation of the same bytes, done once at load. Q4_1 scales
         must have at most 20 significant bits, as a GGUF's f16 values and the K-quants'
         products of one with a 6-bit scale have: the kernel's Q4_1 widening fuses
-        `d * q + m`, exact only when `d * q` (q < 16) is."""
+        `d * q + m`, exact only when `d * q` (q < 16) is. Panels (`read`) are returned
+        as they are."""
+        if isinstance(q, PanelBlocks):
+            return q
         if q.format == "q4_1" and bool((q.scales.view(torch.int32) & 0xF).any()):
             raise ValueError("q4_1 scales must have at most 20 significant bits (f16 values "
                              "or K-quant products), so that d * q is exact")
@@ -59,6 +107,8 @@ class PanelBlocks:
         (`CpuCapabilities` or the library's ops) has it, else in tensor arithmetic."""
         if self.format != "q4_1":
             raise ValueError(f"dot_pairs: Q4_1 only, not {self.format}")
+        if self.dot is not None:
+            return self.dot
         op = CpuCapabilities.of(kernels).op("q4_1_dot_pairs") if kernels is not None else None
         if op is not None:
             return op(self.tensors[0])
@@ -75,7 +125,8 @@ class PanelBlocks:
         """These blocks' scales (and minimums) without their levels, for a layer whose
         kernels read the levels from their own copies (`dot_pairs`, `amx_levels`)."""
         return PanelBlocks(self.format, self.out_features,
-                           (self.tensors[0].new_empty(0), *self.tensors[1:]))
+                           (self.tensors[0].new_empty(0), *self.tensors[1:]), self.amx,
+                           self.dot)
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +139,8 @@ def amx_levels(blocks: PanelBlocks) -> torch.Tensor:
     (`quant_linear_amx_table.cpp`): the panel layout's bytes, transposed per block."""
     if blocks.format != "q4_1":
         raise ValueError(f"amx_levels reads Q4_1 blocks, got {blocks.format}")
+    if blocks.amx is not None:
+        return blocks.amx
     return blocks.tensors[0].transpose(2, 3).contiguous()
 
 

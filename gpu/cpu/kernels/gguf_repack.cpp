@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -178,6 +179,46 @@ constexpr Type kTypes[] = {
     {"Q3_K", kQK, 110, "q8_16", q3_k},
 };
 
+const Type& find_type(const std::string& name, const at::Tensor& raw, const char* op) {
+  const Type* type = nullptr;
+  for (const Type& t : kTypes)
+    if (name == t.name) type = &t;
+  TORCH_CHECK(type != nullptr, op, ": no rewrite for GGUF type ", name);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() &&
+                  raw.size(1) % type->bytes == 0,
+              op, ": raw must be contiguous uint8 [rows, blocks * ", type->bytes, "], got ",
+              raw.scalar_type(), " ", raw.sizes());
+  return *type;
+}
+
+const int64_t* row_order(const std::optional<at::Tensor>& source_rows, int64_t N,
+                         const char* op) {
+  if (!source_rows.has_value()) return nullptr;
+  const at::Tensor& rows = *source_rows;
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == N,
+              op, ": source_rows must be contiguous int64 [", N, "]");
+  const int64_t* order = rows.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)
+    TORCH_CHECK(order[r] >= 0 && order[r] < N, op, ": source row out of range");
+  return order;
+}
+
+// Bytes of levels and count of scales per row of a K-wide weight in `type`'s format.
+int64_t level_bytes(const Type& type, int64_t K) {
+  return std::string(type.format) == "q4_1" ? K / 2 : K;
+}
+int64_t scale_count(const Type& type, int64_t K) {
+  return K / (std::string(type.format) == "q8_16" ? 16 : 32);
+}
+
+void check_out(const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape,
+               const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape),
+              "gguf_repack_panels_: ", what, " must be contiguous ", dtype, " ",
+              at::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
+}
+
 }  // namespace
 
 namespace kernels {
@@ -186,26 +227,10 @@ namespace kernels {
 // [qweight, scales, mins] (mins empty for q8_0 / q8_16).
 std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tensor& raw,
                                     const std::optional<at::Tensor>& source_rows) {
-  const Type* type = nullptr;
-  for (const Type& t : kTypes)
-    if (type_name == t.name) type = &t;
-  TORCH_CHECK(type != nullptr, "gguf_repack: no rewrite for GGUF type ", type_name);
-  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() &&
-                  raw.size(1) % type->bytes == 0,
-              "gguf_repack: raw must be contiguous uint8 [rows, blocks * ", type->bytes,
-              "], got ", raw.scalar_type(), " ", raw.sizes());
+  const Type* type = &find_type(type_name, raw, "gguf_repack");
   const int64_t blocks = raw.size(1) / type->bytes, K = blocks * type->weights;
-  int64_t N = raw.size(0);
-  const int64_t* order = nullptr;
-  if (source_rows.has_value()) {
-    const at::Tensor& rows = *source_rows;
-    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
-                    rows.size(0) == N,
-                "gguf_repack: source_rows must be contiguous int64 [", N, "]");
-    order = rows.const_data_ptr<int64_t>();
-    for (int64_t r = 0; r < N; ++r)
-      TORCH_CHECK(order[r] >= 0 && order[r] < N, "gguf_repack: source row out of range");
-  }
+  const int64_t N = raw.size(0);
+  const int64_t* order = row_order(source_rows, N, "gguf_repack");
   const std::string format = type->format;
   const bool nibbles = format == "q4_1";
   const int64_t per_scale = format == "q8_16" ? 16 : 32;
@@ -229,9 +254,93 @@ std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tens
   return {q, d, m};
 }
 
+// The same rewrite written straight into the kernels' panel layout (gpu/cpu/
+// panel_blocks.py `PanelBlocks`: 32 output rows per panel, each level byte and scale
+// column transposed so one load holds a column's 32 outputs), at global rows row0 ..
+// row0 + N of tensors that may hold several weights stacked (q, k, v): one pass from the
+// mapped file instead of a row-order copy, a stack and a transpose, each a fresh
+// allocation. row0 must start a panel; rows past N in the last panel are zeros.
+// levels: [P, level bytes, 32] (uint8 q4_1, int8 q8_0 / q8_16), or None where the layer
+// keeps no panel levels; scales, mins: [P, scales, 32] float32 (mins None but for q4_1);
+// q4_1's copies for the kernels that read their own, or None: amx [P, K/32, 32, 16]
+// uint8 (each output's 16 bytes of a block), dot [P, K/32, 4, 32] int32 (the bf16 dot
+// kernel's regrouping, quant_linear_bf16.cpp `q4_1_dot_pairs`).
+void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
+                         const std::optional<at::Tensor>& source_rows,
+                         const std::optional<at::Tensor>& levels, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins,
+                         const std::optional<at::Tensor>& amx,
+                         const std::optional<at::Tensor>& dot, int64_t row0) {
+  const char* op = "gguf_repack_panels_";
+  const Type& type = find_type(type_name, raw, op);
+  const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
+  const int64_t K = blocks * type.weights, cols = level_bytes(type, K);
+  const int64_t S = scale_count(type, K), P = scales.size(0);
+  const bool nibbles = std::string(type.format) == "q4_1";
+  const int64_t* order = row_order(source_rows, N, op);
+  TORCH_CHECK(row0 % 32 == 0 && row0 >= 0 && row0 + N <= P * 32,
+              op, ": rows ", row0, "..", row0 + N, " do not fit ", P, " panels from a panel start");
+  check_out(scales, at::kFloat, {P, S, 32}, "scales");
+  TORCH_CHECK(mins.has_value() == nibbles, op, ": mins are q4_1's alone");
+  if (mins) check_out(*mins, at::kFloat, {P, S, 32}, "mins");
+  if (levels) check_out(*levels, nibbles ? at::kByte : at::kChar, {P, cols, 32}, "levels");
+  TORCH_CHECK((!amx && !dot) || nibbles, op, ": the AMX and dot copies are q4_1's alone");
+  if (amx) check_out(*amx, at::kByte, {P, K / 32, 32, 16}, "amx");
+  if (dot) check_out(*dot, at::kInt, {P, K / 32, 4, 32}, "dot");
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  uint8_t* lp = levels ? static_cast<uint8_t*>(levels->mutable_data_ptr()) : nullptr;
+  float* sp = scales.mutable_data_ptr<float>();
+  float* mp = mins ? mins->mutable_data_ptr<float>() : nullptr;
+  uint8_t* ap = amx ? amx->mutable_data_ptr<uint8_t>() : nullptr;
+  uint32_t* dp = dot ? reinterpret_cast<uint32_t*>(dot->mutable_data_ptr<int32_t>()) : nullptr;
+  const int64_t panels = (N + 31) / 32;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> q(cols);
+    std::vector<float> d(S), m(nibbles ? S : 0);
+    for (int64_t local = begin; local < end; ++local) {
+      const int64_t p = row0 / 32 + local;
+      for (int64_t n = 0; n < 32; ++n) {
+        const int64_t r = local * 32 + n;
+        if (r < N) {
+          const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
+          const Row out{q.data(), d.data(), nibbles ? m.data() : nullptr};
+          for (int64_t b = 0; b < blocks; ++b) type.rewrite(row + b * type.bytes, out, b);
+        } else {  // the last panel's filling rows
+          std::fill(q.begin(), q.end(), 0);
+          std::fill(d.begin(), d.end(), 0.0f);
+          std::fill(m.begin(), m.end(), 0.0f);
+        }
+        if (lp)
+          for (int64_t c = 0; c < cols; ++c) lp[(p * cols + c) * 32 + n] = q[c];
+        for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
+        if (mp)
+          for (int64_t i = 0; i < S; ++i) mp[(p * S + i) * 32 + n] = m[i];
+        if (ap)
+          for (int64_t b = 0; b < K / 32; ++b)
+            std::memcpy(ap + ((p * (K / 32) + b) * 32 + n) * 16, q.data() + b * 16, 16);
+        if (dp)
+          for (int64_t b = 0; b < K / 32; ++b)
+            for (int c = 0; c < 4; ++c) {  // k = 4c + i + 16 in the low half, k = 4c + i high
+              uint32_t low = 0, high = 0;
+              for (int i = 0; i < 4; ++i) {
+                const uint32_t v = q[b * 16 + 4 * c + i];
+                low |= (v >> 4) << (4 * i);
+                high |= (v & 0x0F) << (4 * i);
+              }
+              dp[((p * (K / 32) + b) * 4 + c) * 32 + n] = low | (high << 16);
+            }
+      }
+    }
+  });
+}
+
 }  // namespace kernels
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("gguf_repack(str type_name, Tensor raw, Tensor? source_rows) -> Tensor[]");
+  m.def("gguf_repack_panels_(str type_name, Tensor raw, Tensor? source_rows, "
+        "Tensor(a!)? levels, Tensor(b!) scales, Tensor(c!)? mins, Tensor(d!)? amx, "
+        "Tensor(e!)? dot, int row0) -> ()");
   m.impl("gguf_repack", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack));
+  m.impl("gguf_repack_panels_", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack_panels_));
 }
