@@ -110,11 +110,13 @@ class PackedLinear(nn.Module):
     both from the `CpuCapabilities`; a layer built directly takes neither unless asked."""
 
     def __init__(self, weight: torch.Tensor, batch_hint: int = 64,
-                 quantized: QuantizedWeight | None = None, kernels=None,
+                 quantized: QuantizedWeight | PanelBlocks | None = None, kernels=None,
                  int8_activations: bool = False, widen: bool = False, amx: bool = False,
                  float32: torch.Tensor | None = None, blocks_only: bool = False):
-        """`kernels`: `CpuCapabilities`, or the library's ops (None: no C++ kernels).
-        `float32`: a widened layer's float32 weight where the caller has it (the
+        """`quantized`: the weight's blocks in row order, or laid out already
+        (`PanelBlocks.read`, which `pack_linears` uses only where this layer needs no
+        row order). `kernels`: `CpuCapabilities`, or the library's ops (None: no C++
+        kernels). `float32`: a widened layer's float32 weight where the caller has it (the
         checkpoint's, which holds the blocks' values); else it is dequantized from the
         blocks or widened from `weight`. `blocks_only`: hold no dense copy where the
         kernels can unpack the blocks for the calls that would read one (`weight` is

@@ -77,6 +77,10 @@ def _by_parameter(model: nn.Module, by_hf: Mapping[str, T]) -> dict[str, list[T]
     return out
 
 
+# A weight's blocks as a layer takes them: in row order, or laid out as panels already.
+Blocks = QuantizedWeight | PanelBlocks
+
+
 def _stacked_runs(parts: list[QuantizedWeight]) -> QuantizedWeight | list[QuantizedWeight]:
     """A parameter's blocks from its HF parts in row order: stacked where every part was
     kept in one format, else a list of the runs of parts that share one, each stacked
@@ -88,14 +92,13 @@ def _stacked_runs(parts: list[QuantizedWeight]) -> QuantizedWeight | list[Quanti
     return runs[0] if len(runs) == 1 else runs
 
 
-def _read_panels(weight: torch.Tensor, quantized: Mapping[str, QuantizedWeight],
-                 names: list[str], kernels: CpuCapabilities, int8_activations: bool,
-                 widen: bool, blocks_only: bool) -> PanelBlocks | None:
-    """A GGUF weight's parts read straight into the kernels' panels (`PanelBlocks.read`)
-    where its layer needs nothing else from them: not a widened layer packed for oneDNN
-    (which dequantizes the blocks in row order). None: read them in row order."""
-    if not isinstance(quantized, GGUFBlocks):
-        return None
+def _read_panels(weight: torch.Tensor, quantized: GGUFBlocks, names: list[str],
+                 kernels: CpuCapabilities, int8_activations: bool, widen: bool,
+                 blocks_only: bool) -> PanelBlocks | None:
+    """GGUF parts in one format read straight into the kernels' panels
+    (`PanelBlocks.read`) where their layer needs nothing else from them: not a widened
+    layer packed for oneDNN (which dequantizes the blocks in row order). None: read them
+    in row order."""
     fmt = quantized.sources[names[0]].format
     plan = _plan(weight.dtype, fmt, kernels, int8_activations,
                  widen and weight.dtype == torch.bfloat16, kernels.amx, blocks_only)
@@ -229,7 +232,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and kernels.amx
 
-    def packed(weight: torch.Tensor, q: QuantizedWeight | None,
+    def packed(weight: torch.Tensor, q: Blocks | None,
                float32: torch.Tensor | None) -> PackedLinear:
         nonlocal count, used, on_amx, alone
         layer = PackedLinear(weight, quantized=q, kernels=kernels,
@@ -241,12 +244,26 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
         on_amx += layer.amx_rows is not None
         return layer
 
+    def blocks_of(weight: torch.Tensor, hf: list[str]) -> Blocks | list[Blocks]:
+        """The blocks of `weight`'s HF parts: from a GGUF, each run of parts in one
+        format read straight into panels where its layer allows, else stacked in row
+        order (`_stacked_runs`); a list where the formats differ (a `SplitLinear`)."""
+        if not isinstance(quantized, GGUFBlocks):
+            return _stacked_runs([quantized[h] for h in hf])
+        runs, row = [], 0
+        for _, group in itertools.groupby(hf, lambda h: quantized.sources[h].format):
+            run = list(group)
+            rows = sum(quantized.sources[h].out_features for h in run)
+            runs.append(_read_panels(weight[row:row + rows], quantized, run, kernels,
+                                     int8_activations, widen, blocks_only)
+                        or _stacked_runs([quantized[h] for h in run]))
+            row += rows
+        return runs[0] if len(runs) == 1 else runs
+
     def pack(weight: torch.Tensor, name: str) -> PackedLinear | SplitLinear:
         nonlocal extra
         hf = names.pop(name, None)
-        q = None if hf is None else (_read_panels(weight, quantized, hf, kernels,
-                                                   int8_activations, widen, blocks_only)
-                                     or _stacked_runs([quantized[h] for h in hf]))
+        q = None if hf is None else blocks_of(weight, hf)
         float32 = _stored_float32(stored.get(name)) if widen and q is not None else None
         if float32 is not None and float32.shape != weight.shape:
             raise ValueError(f"{name}: the checkpoint's float32 weight has shape "
@@ -257,8 +274,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
                 weight[a:b], part, None if float32 is None else float32[a:b])
                 for part, a, b in zip(q, starts, starts[1:])])
         else:
-            layer = packed(weight, q if isinstance(q, (QuantizedWeight, PanelBlocks))
-                           and _fits(q, weight) else None, float32)
+            layer = packed(weight, q if not isinstance(q, list) and _fits(q, weight)
+                           else None, float32)
         # The layer's copies replace the weight, but for the embedding, still needed for
         # the lookup.
         weight_bytes = weight.numel() * weight.element_size()
