@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -184,13 +185,6 @@ def load(model_dir: str | Path, repack: Repack | None = None) -> GGUFBlocks | di
                              in index["weights"].items()}, repack)
 
 
-def shapes(model_dir: str | Path) -> dict[str, tuple[int, int]]:
-    """HF weight name -> the [N, K] weight its blocks hold (nothing is read)."""
-    blocks = load(model_dir)
-    return {name: (src.out_features, src.in_features)
-            for name, src in getattr(blocks, "sources", {}).items()}
-
-
 def embed_gguf(model_dir: Path) -> None:
     """Make `model_dir` (a copy of a converted directory) carry its GGUF: the file is
     copied (or hard-linked) into `quantized/` and the index names it relatively."""
@@ -203,9 +197,7 @@ def embed_gguf(model_dir: Path) -> None:
     if target != source:
         try:
             os.link(source, target)
-        except OSError:
-            import shutil
-
+        except OSError:  # another file system
             shutil.copy2(source, target)
     stat = target.stat()
     index |= {"gguf": target.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

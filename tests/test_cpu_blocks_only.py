@@ -74,13 +74,14 @@ def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
 @needs_kernels
 def test_the_load_skips_the_dense_weights_of_layers_served_from_blocks(smollm2_dir):
     """SmolLM2's GGUF: every linear Q4_1, the tied head Q8_0. Every linear's parameter
-    is left unfilled and every packed layer holds no dense copy; the embedding, which the
-    token lookup reads, is loaded; the model's logits agree with the float32 path's."""
+    is left unfilled and every packed layer holds no dense copy; nor is the embedding
+    (looked up from the head's blocks, `BlockEmbedding`); the model's logits agree with
+    the float32 path's."""
     blocks = gguf_blocks.load(smollm2_dir)
     reference = load_model(smollm2_dir)
     model = load_model(smollm2_dir)
     skip = params_not_needed(model, blocks, KERNELS)
-    assert len(skip) == 30 * 4 and "embed_tokens.weight" not in skip
+    assert len(skip) == 30 * 4 + 1 and "embed_tokens.weight" in skip
     extra = pack_linears(model, blocks, KERNELS)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 30 * 4 + 1 and not any(isinstance(m, SplitLinear)

@@ -19,6 +19,7 @@ import torch
 
 from gpu.cpu import linear as cpu_linear
 from gpu.cpu import packing
+from gpu.cpu.block_embedding import BlockEmbedding
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import PackedLinear, multiply_dtype, quantized_max_rows
 from gpu.cpu.packing import pack_linears, params_not_needed
@@ -129,15 +130,16 @@ def test_pack_linears_widens_bf16_where_the_cpu_cannot_multiply_it(smollm2_dir, 
     model = model.to_empty(device="cpu").bfloat16()
     model.load_weights(iter_safetensors(smollm2_dir, torch.bfloat16))
     bf16_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                     if n.endswith("proj.weight"))
+                     if n.endswith("proj.weight") or n == "embed_tokens.weight")
     blocks = gguf_blocks.load(smollm2_dir)
     extra = pack_linears(model, blocks, KERNELS)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 30 * 4 + 1
     assert all(m.widen and m.quantized is not None and m.packed is None for m in layers)
     # Each layer's bf16 weight gives way to its blocks alone (calls of many rows unpack
-    # them in float32); the embedding stays for the lookup beside the head's blocks.
+    # them in float32), and the embedding to the lookup from the head's blocks.
     assert extra == sum(m.quantized.nbytes for m in layers) - bf16_bytes
+    assert isinstance(model.embed_tokens, BlockEmbedding)
 
 
 @needs_kernels

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from gpu.cpu.block_embedding import BlockEmbedding
 from gpu.cpu.capabilities import CpuCapabilities
 from gpu.cpu.linear import (
     AMX_ROWS,
@@ -197,7 +198,29 @@ def params_not_needed(model: nn.Module, quantized: Mapping[str, QuantizedWeight]
                     and not plan.plain_below for fmt in {p.format for p in parts})
         if alone or (widen and dtype == torch.bfloat16):
             skip.add(name)
+    if _lookup_from_head(model, parts_of.get("embed_tokens.weight"), kernels,
+                         int8_activations, widen):
+        skip.add("embed_tokens.weight")
     return skip
+
+
+def _lookup_from_head(model: nn.Module, parts: list | None, kernels: CpuCapabilities,
+                      int8_activations: bool, widen: bool) -> bool:
+    """Whether a tied model's embedding will be looked up from its LM head's blocks
+    (`BlockEmbedding`), so its dense weight need not be filled: the head holds them alone
+    (no oneDNN or plain copy, which would be packed from that weight) with the panels'
+    levels, and the kernels can unpack them."""
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", "absent") is not None or embed is None or not parts \
+            or len(parts) != 1 or not _fits(parts[0], embed.weight):
+        return False
+    dtype, fmt = embed.weight.dtype, parts[0].format
+    if widen and dtype == torch.bfloat16:
+        return False
+    plan = _plan(dtype, fmt, kernels, int8_activations, False, kernels.amx, True)
+    return (plan.blocks or plan.amx_rows is not None) and not plan.packed \
+        and not plan.plain_below and reads_panel_levels(plan, fmt) \
+        and kernels.has(f"{fmt}_unpack")
 
 
 def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | None = None,
@@ -288,6 +311,11 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
     if getattr(model, "lm_head", "absent") is None and embed is not None \
             and _packable(embed.weight):
         model.lm_head = pack(embed.weight, "embed_tokens.weight")
+        # The lookup from the head's blocks where they allow it: no second copy of them.
+        lookup = BlockEmbedding.of(model.lm_head, kernels) if kernels is not None else None
+        if lookup is not None:
+            extra -= embed.weight.numel() * embed.weight.element_size()
+            model.embed_tokens = lookup
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         if int8_activations:
