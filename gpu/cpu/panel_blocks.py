@@ -52,9 +52,9 @@ class PanelBlocks:
             return None
         n, k = sum(s.out_features for s in sources), sources[0].in_features
         panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
-        levels = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
-                              PANEL) if levels else 0,
-                             dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
+        codes = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
+                             PANEL) if levels else 0,
+                            dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
         scales = torch.empty(panels, k // per_scale, PANEL)
         mins = torch.empty_like(scales) if fmt == "q4_1" else None
         copy = torch.empty(panels, k // BLOCK, PANEL, 16, dtype=torch.uint8) \
@@ -65,10 +65,10 @@ class PanelBlocks:
         for name, src in zip(names, sources, strict=True):
             with blocks.mapped(name) as (raw, rows):
                 op(src.type_name, torch.from_numpy(raw), None if rows is None
-                   else torch.from_numpy(rows), levels.view(panels, -1, PANEL)
-                   if levels.numel() else None, scales, mins, copy, pairs, row0)
+                   else torch.from_numpy(rows), codes.view(panels, -1, PANEL)
+                   if levels else None, scales, mins, copy, pairs, row0)
             row0 += src.out_features
-        return PanelBlocks(fmt, n, (levels, scales) if mins is None else (levels, scales, mins),
+        return PanelBlocks(fmt, n, (codes, scales) if mins is None else (codes, scales, mins),
                            copy, pairs)
 
     @staticmethod
@@ -103,8 +103,9 @@ class PanelBlocks:
         int32 [panels, K/32, 4, 32], per chunk c and output n one dword whose low half
         holds k = 4c + i + 16 and high half k = 4c + i in nibble i. The same bytes as
         the panels' levels, regrouped so that a shift and a table lookup give a vector of
-        bf16 pairs of one output each. Through the kernels' one pass where `kernels`
-        (`CpuCapabilities` or the library's ops) has it, else in tensor arithmetic."""
+        bf16 pairs of one output each. As `read` wrote it where it did, else through
+        the kernels' one pass where `kernels` (`CpuCapabilities` or the library's ops)
+        has it, else in tensor arithmetic."""
         if self.format != "q4_1":
             raise ValueError(f"dot_pairs: Q4_1 only, not {self.format}")
         if self.dot is not None:

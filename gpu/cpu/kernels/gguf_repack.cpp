@@ -227,18 +227,16 @@ namespace kernels {
 // [qweight, scales, mins] (mins empty for q8_0 / q8_16).
 std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tensor& raw,
                                     const std::optional<at::Tensor>& source_rows) {
-  const Type* type = &find_type(type_name, raw, "gguf_repack");
-  const int64_t blocks = raw.size(1) / type->bytes, K = blocks * type->weights;
-  const int64_t N = raw.size(0);
+  const Type& type = find_type(type_name, raw, "gguf_repack");
+  const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
+  const int64_t K = blocks * type.weights;
   const int64_t* order = row_order(source_rows, N, "gguf_repack");
-  const std::string format = type->format;
-  const bool nibbles = format == "q4_1";
-  const int64_t per_scale = format == "q8_16" ? 16 : 32;
+  const bool nibbles = std::string(type.format) == "q4_1";
   auto bytes = raw.options();
-  at::Tensor q = at::empty({N, nibbles ? K / 2 : K}, bytes.dtype(nibbles ? at::kByte : at::kChar));
-  at::Tensor d = at::empty({N, K / per_scale}, bytes.dtype(at::kFloat));
-  at::Tensor m = nibbles ? at::empty({N, K / per_scale}, bytes.dtype(at::kFloat))
-                         : at::empty({0}, bytes.dtype(at::kFloat));
+  at::Tensor q = at::empty({N, level_bytes(type, K)},
+                           bytes.dtype(nibbles ? at::kByte : at::kChar));
+  at::Tensor d = at::empty({N, scale_count(type, K)}, bytes.dtype(at::kFloat));
+  at::Tensor m = at::empty(nibbles ? d.sizes() : at::IntArrayRef{0}, bytes.dtype(at::kFloat));
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* qp = static_cast<uint8_t*>(q.mutable_data_ptr());
   float* dp = d.mutable_data_ptr<float>();
@@ -248,7 +246,7 @@ std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tens
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
       const Row out{qp + r * q_row, dp + r * d_row, mp ? mp + r * d_row : nullptr};
-      for (int64_t b = 0; b < blocks; ++b) type->rewrite(row + b * type->bytes, out, b);
+      for (int64_t b = 0; b < blocks; ++b) type.rewrite(row + b * type.bytes, out, b);
     }
   });
   return {q, d, m};
