@@ -1,7 +1,7 @@
-"""A tied model's embedding looked up from its LM head's blocks (`BlockEmbedding`): the
-rows a dense embedding would hold (the blocks' values, rounded to the served dtype), for
-any ids (repeats, a panel's last rows, the padding-free last panel), and a tied GGUF
-loads with no dense embedding filled."""
+"""A model's embedding looked up from a GGUF's blocks (`BlockEmbedding`): the rows a
+dense embedding would hold (the blocks' values, rounded to the served dtype), for any
+ids (repeats, a panel's last rows, a partial last panel); a tied GGUF loads with no
+dense embedding filled (the untied case: `tests/test_gguf_types.py`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_the_lookup_is_the_dense_embeddings_rows(type_name, dtype):
     q = rewritten(type_name, random_blocks(type_name, vocab, hidden, seed=7), vocab)
     head = PackedLinear(torch.empty(vocab, hidden, dtype=dtype), quantized=q,
                         kernels=KERNELS, blocks_only=True)
-    lookup = BlockEmbedding.of(head, KERNELS)
+    lookup = BlockEmbedding.of(head.quantized, KERNELS, dtype)
     assert lookup is not None and lookup.weight.is_meta and lookup.weight.dtype == dtype
     dense = q.dequantize().to(dtype)
     ids = torch.tensor([[5, 5, 31, 32, 99], [0, 63, 64, 98, 7]])

@@ -134,7 +134,8 @@ LAYER_TYPES = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q4_K",
 def k_quant_gguf(tmp_path_factory):
     """A two-layer llama GGUF whose linears mix K-quant and other types, as
     llama-quantize's K-quant mixes do (a Q6_K up projection beside Q4_K gate), with a
-    type that has no rewrite (Q5_K) and a Q6_K LM head; the weights' blocks are random."""
+    type that has no rewrite (Q5_K), a Q6_K LM head and a Q4_K embedding (untied, as an
+    8B's); the weights' blocks are random."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
@@ -144,12 +145,11 @@ def k_quant_gguf(tmp_path_factory):
               "self_attn.v_proj": (128, 256), "self_attn.o_proj": (256, 256),
               "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
               "mlp.down_proj": (256, 512)}
-    rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": rng.standard_normal((49152, 256), dtype=np.float32),
+        "model.embed_tokens.weight": random_blocks("Q4_K", 49152, 256, seed=2),
         "lm_head.weight": random_blocks("Q6_K", 49152, 256, seed=1),
         "model.norm.weight": np.ones(256, np.float32)}
-    types = {"lm_head.weight": "Q6_K"}
+    types = {"lm_head.weight": "Q6_K", "model.embed_tokens.weight": "Q4_K"}
     for layer in range(2):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{layer}.{norm}.weight"] = np.ones(256, np.float32)
@@ -281,3 +281,24 @@ def test_panels_written_straight_from_the_gguf_are_the_row_orders(type_name):
     if amx is not None:
         assert torch.equal(amx, amx_levels(reference))
         assert torch.equal(dot, reference.dot_pairs(KERNELS))
+
+
+@needs_kernels
+def test_an_untied_embedding_is_looked_up_from_its_own_blocks(k_quant_gguf, tmp_path):
+    """The fixture's Q4_K embedding (its head is a Q6_K tensor of its own): the load
+    leaves the dense table unfilled and looks tokens up from the embedding's blocks, read
+    into panels; the rows are the dense table's (gguf-py's values)."""
+    from gpu.cpu.block_embedding import BlockEmbedding
+    from gpu.cpu.packing import pack_linears, params_not_needed
+    from models.gguf_convert import convert_gguf_to_hf_dir
+    from tests.test_quantized_weights import load_model
+
+    out = convert_gguf_to_hf_dir(k_quant_gguf[0], tmp_path / "converted", "float32")
+    model = load_model(out)
+    blocks = gguf_blocks.load(out, repack=KERNELS.gguf_repack)
+    assert "embed_tokens.weight" in params_not_needed(model, blocks, KERNELS)
+    dense = model.embed_tokens.weight.detach().clone()
+    pack_linears(model, blocks, KERNELS)
+    assert isinstance(model.embed_tokens, BlockEmbedding) and model.lm_head is not None
+    ids = torch.tensor([0, 31, 32, 4097, 49151, 4097])
+    assert torch.equal(model.embed_tokens(ids), dense[ids])

@@ -199,9 +199,21 @@ def params_not_needed(model: nn.Module, quantized: Mapping[str, QuantizedWeight]
         if alone or (widen and dtype == torch.bfloat16):
             skip.add(name)
     if _lookup_from_head(model, parts_of.get("embed_tokens.weight"), kernels,
-                         int8_activations, widen):
+                         int8_activations, widen) or _lookup_from_own_blocks(
+                             model, quantized, kernels):
         skip.add("embed_tokens.weight")
     return skip
+
+
+def _lookup_from_own_blocks(model: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                            kernels: CpuCapabilities) -> bool:
+    """Whether an untied model's embedding will be looked up from its own blocks, read
+    from the GGUF into panels (`BlockEmbedding`), so its dense weight need not be filled."""
+    embed = getattr(model, "embed_tokens", None)
+    src = getattr(quantized, "sources", {}).get("model.embed_tokens.weight")
+    return getattr(model, "lm_head", None) is not None and embed is not None \
+        and src is not None and (src.out_features, src.in_features) == tuple(embed.weight.shape) \
+        and kernels.has("gguf_repack_panels_") and kernels.has(f"{src.format}_unpack")
 
 
 def _lookup_from_head(model: nn.Module, parts: list | None, kernels: CpuCapabilities,
@@ -299,23 +311,29 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
         else:
             layer = packed(weight, q if not isinstance(q, list) and _fits(q, weight)
                            else None, float32)
-        # The layer's copies replace the weight, but for the embedding, still needed for
-        # the lookup.
+        # The layer's copies replace the weight (a tied head's embedding: where the lookup
+        # below replaces it too).
         weight_bytes = weight.numel() * weight.element_size()
         extra += layer.nbytes - (0 if name == "embed_tokens.weight" else weight_bytes)
         return layer
 
     for parent, attr, layer, name in _packable_linears(model):
         setattr(parent, attr, pack(layer.weight, name))
-    embed = getattr(model, "embed_tokens", None)
+    embed, lookup = getattr(model, "embed_tokens", None), None
     if getattr(model, "lm_head", "absent") is None and embed is not None \
             and _packable(embed.weight):
         model.lm_head = pack(embed.weight, "embed_tokens.weight")
         # The lookup from the head's blocks where they allow it: no second copy of them.
-        lookup = BlockEmbedding.of(model.lm_head, kernels) if kernels is not None else None
-        if lookup is not None:
-            extra -= embed.weight.numel() * embed.weight.element_size()
-            model.embed_tokens = lookup
+        lookup = BlockEmbedding.of(getattr(model.lm_head, "quantized", None), kernels,
+                                   embed.weight.dtype)
+    elif kernels is not None and _lookup_from_own_blocks(model, quantized, kernels):
+        own = PanelBlocks.read(quantized, ["model.embed_tokens.weight"], kernels,
+                               levels=True, amx=False, dot=False)
+        lookup = BlockEmbedding.of(own, kernels, embed.weight.dtype)
+        extra += own.nbytes
+    if lookup is not None:
+        extra -= embed.weight.numel() * embed.weight.element_size()
+        model.embed_tokens = lookup
     if count:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         if int8_activations:
