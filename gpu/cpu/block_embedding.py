@@ -3,8 +3,8 @@
 Why: the embedding is a model's largest tensor (Llama-3.1-8B's 128k-token one: 1 GB in
 bf16). Held dense beside its blocks it is a second copy where the embeddings are tied
 (SmolLM2, the small Qwen and Llama 3.2 models: the LM head serves the same tensor from
-its blocks), and 2.7x its blocks' bytes where they are not; dequantizing it was a tenth
-of a load. A lookup needs one row per token, so each token's panel of 32 rows is
+its blocks), and 2.7x its blocks' bytes where they are not, dequantized at each load.
+A lookup needs one row per token, so each token's panel of 32 rows is
 widened by the op the LM head's large calls use (`quant_unpack.cpp`) and the token's row
 taken: the blocks' values, rounded to the served dtype exactly as the dense table held
 them (`QuantizedWeight.dequantize`, then cast).

@@ -1,6 +1,6 @@
 // The block formats the CPU quant kernels read (quant_linear.cpp): Q4_1, Q8_0 and Q8_16
 // weights (every GGUF type the kernels serve, rewritten into one of these by
-// models/gguf_repack.py) repacked into panels, each able to give a weight (portable code) or, on
+// gguf_repack.cpp) in panels, each able to give a weight (portable code) or, on
 // AVX-512, a block's 32 x 32 levels or weights in registers (on AVX2: 8 outputs of them,
 // one 8-lane register per k).
 //
@@ -9,8 +9,8 @@
 // b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
 // output 32p + n in its low nibble and k = 32b + j + 16 in its high one (GGML's pairing,
 // transposed); Q8_0 and Q8_16 qweight[p][b][j][n] (int8, j < 32) hold k = 32b + j.
-// scales (and Q4_1's mins) [p][b][n], fp32 (Q8_16's [p][2b + h][n], h = j / 16). So one 32-byte load gives a k's weights for 32 outputs:
-// the kernel is an outer product, outputs along the vector lanes, with no horizontal
+// scales (and Q4_1's mins) [p][b][n], fp32 (Q8_16's [p][2b + h][n], h = j / 16). So one
+// 32-byte load gives a k's weights for 32 outputs: the kernel is an outer product, outputs along the vector lanes, with no horizontal
 // sums (the previous layout, one output's blocks in a row, needed them).
 //
 // Exactness: every weight is dequantized exactly as gguf-py's numpy dequantizer does
