@@ -26,7 +26,7 @@ from cpu_quant_linear_ab import LAYERS, SHAPES, random_weight
 from host import describe
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 
 VARIANTS = ("packed", "amx", "blocks")
@@ -41,7 +41,7 @@ def build(kernels) -> dict[str, dict[str, list]]:
             q, w = random_weight(n, k, fmt)
             panels = PanelBlocks.of(QuantizedWeight(fmt, *q, *(None,) * (3 - len(q))))
             blocks = (*panels.tensors, n)
-            tiles = ((amx_levels(panels), *panels.tensors[1:], n) if fmt == "q4_1"
+            tiles = ((panels.dot_pairs(kernels), *panels.tensors[1:], n) if fmt == "q4_1"
                      else blocks)
             packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
             model[name]["packed"].append(

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.cpu_quant_linear_ab import LAYERS, SHAPES, random_weight
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 
 LAYER_SHAPES = [name for name, (_, _, fmt) in SHAPES.items() if fmt == "q4_1"]
@@ -33,20 +33,18 @@ OPS = {"blocks": "q4_1_linear", "dot": "q4_1_linear_bf16", "amx": "q4_1_linear_a
 
 def build(kernels, variants):
     """Per variant: its op and, per shape, 30 copies of its arguments."""
-    weights, dot_weights, amx_weights = {}, {}, {}
+    weights, dot_weights = {}, {}
     for name in LAYER_SHAPES:
         n, k, fmt = SHAPES[name]
-        weights[name], dot_weights[name], amx_weights[name] = [], [], []
+        weights[name], dot_weights[name] = [], []
         for _ in range(LAYERS):
             q, _w = random_weight(n, k, fmt)
             panels = PanelBlocks.of(QuantizedWeight(fmt, *q))
             weights[name].append((*panels.tensors, n))
             dot_weights[name].append((panels.dot_pairs(), *panels.tensors[1:], n))
-            amx_weights[name].append((amx_levels(panels), *panels.tensors[1:], n))
     ops = {v: getattr(kernels, OPS[v]) for v in variants}
-    # The dot and AMX kernels read their own copies of the levels (`PanelBlocks.dot_pairs`,
-    # `amx_levels`).
-    own = {"dot": dot_weights, "amx": amx_weights}
+    # The dot and AMX kernels read the levels regrouped (`PanelBlocks.dot_pairs`).
+    own = {"dot": dot_weights, "amx": dot_weights}
     return {v: own.get(v, weights) for v in variants}, ops
 
 

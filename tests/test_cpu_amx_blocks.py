@@ -16,7 +16,7 @@ import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import AMX_ROWS, PackedLinear
-from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models.gguf_blocks import QuantizedWeight
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
@@ -40,7 +40,7 @@ def blocks(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
 def amx(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     blocks = PanelBlocks.of(q)
     if q.format == "q4_1":
-        return KERNELS.q4_1_linear_amx(x, amx_levels(blocks), *blocks.tensors[1:],
+        return KERNELS.q4_1_linear_amx(x, blocks.dot_pairs(), *blocks.tensors[1:],
                                        q.out_features)
     return KERNELS.q8_0_linear_amx(x, *blocks.tensors, q.out_features)
 
@@ -107,14 +107,3 @@ def test_the_q8_0_head_routes_rows_by_count():
             packed = torch.ops.mkldnn._linear_pointwise(x, head.packed, None, "none", [None],
                                                         "")
             assert torch.equal(got, packed), rows
-
-
-def test_amx_levels_hold_each_outputs_bytes_of_a_block_in_a_row():
-    q = blocks("q4_1", 40, 64, seed=2)  # two panels, the second partial
-    levels = amx_levels(PanelBlocks.of(q))
-    assert levels.shape == (2, 2, 32, 16)
-    rows = q.qweight.view(40, 2, 16)  # GGUF order: output, block, its 16 bytes
-    for n in range(40):
-        for b in range(2):
-            assert torch.equal(levels[n // 32, b, n % 32], rows[n, b]), (n, b)
-    assert not levels[1, :, 8:].any()  # the padding outputs

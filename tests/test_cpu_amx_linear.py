@@ -17,7 +17,7 @@ import torch
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.linear import AMX_ROWS, PackedLinear
 from gpu.cpu.packing import pack_linears
-from gpu.cpu.panel_blocks import PanelBlocks, amx_levels
+from gpu.cpu.panel_blocks import PanelBlocks
 from models import gguf_blocks
 from models.gguf_blocks import QuantizedWeight
 
@@ -40,7 +40,8 @@ def q4_1(n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
 
 def amx(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     blocks = PanelBlocks.of(q)
-    return KERNELS.q4_1_linear_amx(x, amx_levels(blocks), *blocks.tensors[1:], q.out_features)
+    return KERNELS.q4_1_linear_amx(x, blocks.dot_pairs(), *blocks.tensors[1:],
+                                   q.out_features)
 
 
 @pytest.mark.parametrize("n,k", [(96, 576), (100, 576), (40, 1536)])
@@ -127,11 +128,13 @@ def test_the_embedded_models_bf16_layers_use_it(smollm2_dir):
         return range(AMX_ROWS[fmt].start, sys.maxsize)
 
     assert all(m.amx_rows == from_first("q4_1") for m in layers)
-    # The Q4_1 kernel reads its own copy of the levels, the same bytes in another order
-    # (half a byte a weight); the panels keep no levels beside it and the dot kernel's.
-    assert all(m.amx_levels is not None
-               and m.amx_levels.numel() * 2 == m.in_features * m.out_features
+    # The Q4_1 kernel reads the dot kernel's pairs, the levels' one copy (half a byte a
+    # weight): the panels keep only their scales and mins beside it.
+    assert all(m.dot_pairs is not None and m._amx_args[0] is m.dot_pairs
+               and m._dot_args[0] is m.dot_pairs
+               and m.dot_pairs.numel() * 8 == m.in_features * m.out_features
+               and m.quantized.tensors[0].numel() == 0
                for m in layers)
-    assert model.lm_head.amx_levels is None
+    assert model.lm_head.dot_pairs is None
     assert model.lm_head.amx_rows == from_first("q8_0")
     assert model.lm_head.quantized_max_rows == AMX_ROWS["q8_0"].start - 1

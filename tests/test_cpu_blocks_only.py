@@ -101,9 +101,9 @@ def test_the_load_skips_the_dense_weights_of_layers_served_from_blocks(smollm2_d
 
 @needs_kernels
 def test_where_dot_and_amx_take_every_call_the_panels_levels_go():
-    """bf16 on AMX: the dot kernel (1-3 rows) and the tile unit (4 rows on) read their own
-    copies of a Q4_1 layer's levels, so the panels keep only their scales and minimums;
-    the layer holds 1.25 bytes a weight where it would hold 1.75."""
+    """bf16 on AMX: the dot kernel (1-3 rows) and the tile unit (4 rows on) read one copy
+    of a Q4_1 layer's levels, regrouped (`dot_pairs`), so the panels keep only their
+    scales and minimums: the layer holds 0.75 bytes a weight, what a call reads."""
     from gpu.cpu.capabilities import CpuCapabilities
 
     caps = CpuCapabilities.of(KERNELS)
@@ -114,7 +114,8 @@ def test_where_dot_and_amx_take_every_call_the_panels_levels_go():
     layer = PackedLinear(torch.empty(n, k, dtype=torch.bfloat16), quantized=q, kernels=caps,
                          amx=True, blocks_only=True)
     assert layer.quantized.tensors[0].numel() == 0
-    assert layer.nbytes == n * k * 1.25 and layer.read_bytes == n * k * 0.75
+    assert layer.nbytes == n * k * 0.75 and layer.read_bytes == n * k * 0.75
+    assert layer._amx_args[0] is layer._dot_args[0]
     x = torch.randn(5, k).bfloat16()
     want = x.float() @ q.dequantize().T
     for rows in (1, 5):

@@ -258,9 +258,7 @@ def test_panels_written_straight_from_the_gguf_are_the_row_orders(type_name):
     """`gguf_repack_panels_` (the load's one pass into the kernels' layout) gives what the
     row-order rewrite stacked and laid out by `PanelBlocks.of` gives, bit for bit: two
     parts stacked (the second from row 32, its rows reordered as llama's q/k are, its last
-    panel partial and filled with zeros), and Q4_1's copies for the AMX and dot kernels."""
-    from gpu.cpu.panel_blocks import amx_levels
-
+    panel partial and filled with zeros), and Q4_1's dot pairs."""
     k = 512
     parts = [random_blocks(type_name, 32, k, seed=4), random_blocks(type_name, 40, k, seed=5)]
     order = np.random.default_rng(6).permutation(40)
@@ -269,17 +267,15 @@ def test_panels_written_straight_from_the_gguf_are_the_row_orders(type_name):
     fmt = reference.format
     levels, scales, *rest = (torch.full_like(t, 7) for t in reference.tensors)  # not zeros
     mins = rest[0] if rest else None
-    amx = torch.full((3, k // 32, 32, 16), 7, dtype=torch.uint8) if fmt == "q4_1" else None
     dot = torch.full((3, k // 32, 4, 32), 7, dtype=torch.int32) if fmt == "q4_1" else None
     for raw, source_rows, row0 in ((parts[0], None, 0), (parts[1], order, 32)):
         KERNELS.gguf_repack_panels_(type_name, torch.from_numpy(raw), None if source_rows
                                     is None else torch.from_numpy(source_rows),
-                                    levels.view(3, -1, 32), scales, mins, amx, dot, row0)
+                                    levels.view(3, -1, 32), scales, mins, dot, row0)
     got = (levels, scales) if mins is None else (levels, scales, mins)
     for a, b in zip(got, reference.tensors, strict=True):
         assert a.numpy().tobytes() == b.numpy().tobytes()
-    if amx is not None:
-        assert torch.equal(amx, amx_levels(reference))
+    if dot is not None:
         assert torch.equal(dot, reference.dot_pairs(KERNELS))
 
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from gpu.cpu import routing
 from gpu.cpu.capabilities import CpuCapabilities, onednn
-from gpu.cpu.panel_blocks import PANEL, PanelBlocks, amx_levels, dequantized
+from gpu.cpu.panel_blocks import PANEL, PanelBlocks, dequantized
 from gpu.cpu.routing import AMX_ROWS, PACKED_MIN_ROWS, LinearLayer, Route, RoutePlan, plan_routes
 from models.gguf_blocks import QuantizedWeight
 
@@ -89,8 +89,8 @@ def _plan(dtype: torch.dtype, blocks: str | None, capabilities: CpuCapabilities,
 
 def reads_panel_levels(plan: RoutePlan, fmt: str) -> bool:
     """Whether some call of a layer with `plan` over `fmt` blocks reads the panels' levels:
-    not where the dot kernel and the Q4_1 AMX kernel, each from its own copy of them,
-    take every call (bf16 on AMX, the blocks held alone)."""
+    not where the dot kernel and the Q4_1 AMX kernel, both from the levels regrouped as
+    `dot_pairs`, take every call (bf16 on AMX, the blocks held alone)."""
     return not (fmt == "q4_1" and plan.amx_rows is not None and plan.unpacked
                 and plan.dot_max_rows >= plan.blocks_max_rows
                 and plan.amx_rows.stop == sys.maxsize)
@@ -151,22 +151,22 @@ class PackedLinear(nn.Module):
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
                         if plan.dot_max_rows else None)
-        # Its levels regrouped for it (the panels' bytes once more: the float32 kernel
-        # reads the panels, the Q4_1 AMX kernel its own copy below).
-        self._dot_args = ((self.quantized.dot_pairs(capabilities), *self.quantized.tensors[1:],
-                           self.out_features) if plan.dot_max_rows else ())
         self.amx_rows = plan.amx_rows
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
                         if plan.amx_rows is not None else None)
-        # The op's block arguments, bound once rather than per call.
+        # Q4_1's levels regrouped (`dot_pairs`) for the dot kernel and the Q4_1 AMX
+        # kernel, one copy for both: the panels' bytes once more where the float32
+        # kernel also reads the panels. Q8_0's AMX kernel reads the panels.
+        pairs = (self.quantized.dot_pairs(capabilities)
+                 if quantized is not None and quantized.format == "q4_1"
+                 and (plan.dot_max_rows or plan.amx_rows is not None) else None)
+        # The ops' block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
-        # The Q4_1 AMX kernel reads each output's levels in a row (`amx_levels`), a copy
-        # beside the panels the widened blocks read; Q8_0's reads the panels.
-        self.amx_levels = (amx_levels(self.quantized)
-                           if plan.amx_rows is not None and quantized.format == "q4_1" else None)
-        self._amx_args = (self._quantized_args if self.amx_levels is None
-                          else (self.amx_levels, *self.quantized.tensors[1:], self.out_features))
+        paired = () if pairs is None else (pairs, *self.quantized.tensors[1:], self.out_features)
+        self._dot_args = paired if plan.dot_max_rows else ()
+        self._amx_args = paired or self._quantized_args
+        self.dot_pairs = pairs
         # Few rows without blocks: the plain weight, in the calls' dtype (a bf16 one
         # streams half the bytes, and torch's one-row bf16 product is as fast as fp32's).
         self.plain = (None if not plan.plain_below else narrow if self.widen else weight)
@@ -174,7 +174,7 @@ class PackedLinear(nn.Module):
         self.plan = plan
         # Where the dot kernel and the tile unit take every call (bf16 on AMX, the blocks
         # held alone), nothing reads the panels' levels, only their scales and minimums:
-        # the two kernels' copies hold the same bytes, so these go (0.5 byte a weight).
+        # the pairs hold the same bytes, so these go (0.5 byte a weight).
         if self.quantized is not None and not reads_panel_levels(plan, quantized.format):
             self.quantized = self.quantized.without_levels()
             self._quantized_args = ()
@@ -194,12 +194,11 @@ class PackedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer holds: packed copy, blocks (with their dot-product pairs and
-        their AMX copy), plain weight."""
+        """Bytes this layer holds: packed copy, blocks (with their dot-product pairs),
+        plain weight."""
         packed = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
         blocks = 0 if self.quantized is None else self.quantized.nbytes
-        blocks += self._dot_args[0].nbytes if self._dot_args else 0
-        blocks += self.amx_levels.nbytes if self.amx_levels is not None else 0
+        blocks += self.dot_pairs.nbytes if self.dot_pairs is not None else 0
         plain = 0 if self.plain is None else self.plain.numel() * self.plain.element_size()
         return packed + blocks + plain
 

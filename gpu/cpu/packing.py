@@ -107,7 +107,7 @@ def _read_panels(weight: torch.Tensor, quantized: GGUFBlocks, names: list[str],
             or not (plan.blocks or plan.amx_rows is not None):
         return None
     return PanelBlocks.read(quantized, names, kernels, levels=reads_panel_levels(plan, fmt),
-                            amx=plan.amx_rows is not None, dot=plan.dot_max_rows > 0)
+                            dot=plan.dot_max_rows > 0 or plan.amx_rows is not None)
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
@@ -328,7 +328,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
                                    embed.weight.dtype)
     elif kernels is not None and _lookup_from_own_blocks(model, quantized, kernels):
         own = PanelBlocks.read(quantized, ["model.embed_tokens.weight"], kernels,
-                               levels=True, amx=False, dot=False)
+                               levels=True, dot=False)
         lookup = BlockEmbedding.of(own, kernels, embed.weight.dtype)
         extra += own.nbytes
     if lookup is not None:

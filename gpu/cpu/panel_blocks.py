@@ -25,8 +25,7 @@ class PanelBlocks:
     format: str
     out_features: int
     tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
-    # Q4_1's copies for the AMX and the dot kernels, where `read` wrote them with the panels.
-    amx: torch.Tensor | None = None
+    # Q4_1's levels as the dot and AMX kernels read them, where `read` wrote them.
     dot: torch.Tensor | None = None
 
     @property
@@ -34,14 +33,14 @@ class PanelBlocks:
         return self.tensors[1].shape[1] * (16 if self.format == "q8_16" else BLOCK)
 
     @staticmethod
-    def read(blocks: GGUFBlocks, names: list[str], kernels, levels: bool, amx: bool,
+    def read(blocks: GGUFBlocks, names: list[str], kernels, levels: bool,
              dot: bool) -> PanelBlocks | None:
         """The weights `names` (their rows stacked in order, as q, k, v in one qkv) read
         from the GGUF straight into panels by the kernels' `gguf_repack_panels_`: the
         scales (and minimums), the levels where `levels` (else an empty tensor, as
-        `without_levels` leaves), Q4_1's AMX copy where `amx` and the dot kernel's where
-        `dot`. One pass from the mapped file where `of` takes a row-order copy, a stack
-        and a transpose, and each copy another pass. None where it cannot: no such op,
+        `without_levels` leaves), and Q4_1's `dot_pairs` where `dot`. One pass from the
+        mapped file where `of` takes a row-order copy, a stack and a transpose, and the
+        pairs another. None where it cannot: no such op,
         parts in different formats, or a part before the last that ends inside a panel."""
         op = CpuCapabilities.of(kernels).op("gguf_repack_panels_") if kernels else None
         sources = [blocks.sources[n] for n in names]
@@ -57,8 +56,6 @@ class PanelBlocks:
                             dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
         scales = torch.empty(panels, k // per_scale, PANEL)
         mins = torch.empty_like(scales) if fmt == "q4_1" else None
-        copy = torch.empty(panels, k // BLOCK, PANEL, 16, dtype=torch.uint8) \
-            if amx and fmt == "q4_1" else None
         pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
             if dot and fmt == "q4_1" else None
         row0 = 0
@@ -66,10 +63,10 @@ class PanelBlocks:
             with blocks.mapped(name) as (raw, rows):
                 op(src.type_name, torch.from_numpy(raw), None if rows is None
                    else torch.from_numpy(rows), codes.view(panels, -1, PANEL)
-                   if levels else None, scales, mins, copy, pairs, row0)
+                   if levels else None, scales, mins, pairs, row0)
             row0 += src.out_features
         return PanelBlocks(fmt, n, (codes, scales) if mins is None else (codes, scales, mins),
-                           copy, pairs)
+                           pairs)
 
     @staticmethod
     def of(q: QuantizedWeight | PanelBlocks) -> PanelBlocks:
@@ -99,7 +96,8 @@ class PanelBlocks:
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
     def dot_pairs(self, kernels=None) -> torch.Tensor:
-        """Q4_1's levels as the AVX512-BF16 kernel reads them (`quant_linear_bf16.cpp`):
+        """Q4_1's levels as the AVX512-BF16 dot kernel and the AMX tile kernel read them
+        (`quant_linear_bf16.cpp`, `quant_linear_amx_table.cpp`):
         int32 [panels, K/32, 4, 32], per chunk c and output n one dword whose low half
         holds k = 4c + i + 16 and high half k = 4c + i in nibble i. The same bytes as
         the panels' levels, regrouped so that a shift and a table lookup give a vector of
@@ -124,25 +122,13 @@ class PanelBlocks:
 
     def without_levels(self) -> PanelBlocks:
         """These blocks' scales (and minimums) without their levels, for a layer whose
-        kernels read the levels from their own copies (`dot_pairs`, `amx_levels`)."""
+        kernels read the levels as `dot_pairs`."""
         return PanelBlocks(self.format, self.out_features,
-                           (self.tensors[0].new_empty(0), *self.tensors[1:]), self.amx,
-                           self.dot)
+                           (self.tensors[0].new_empty(0), *self.tensors[1:]), self.dot)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def amx_levels(blocks: PanelBlocks) -> torch.Tensor:
-    """Q4_1 panels' level bytes with each output's 16 bytes of a block in a row
-    ([panels, K/32, 32, 16]), as the AMX kernel looks its weights up
-    (`quant_linear_amx_table.cpp`): the panel layout's bytes, transposed per block."""
-    if blocks.format != "q4_1":
-        raise ValueError(f"amx_levels reads Q4_1 blocks, got {blocks.format}")
-    if blocks.amx is not None:
-        return blocks.amx
-    return blocks.tensors[0].transpose(2, 3).contiguous()
 
 
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:

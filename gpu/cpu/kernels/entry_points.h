@@ -51,7 +51,7 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KERNELS_Q4_1_LINEAR_AMX
 // quant_linear_amx_table.cpp
-at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
+at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qpairs,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N);
 #endif
 

@@ -260,14 +260,13 @@ std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tens
 // allocation. row0 must start a panel; rows past N in the last panel are zeros.
 // levels: [P, level bytes, 32] (uint8 q4_1, int8 q8_0 / q8_16), or None where the layer
 // keeps no panel levels; scales, mins: [P, scales, 32] float32 (mins None but for q4_1);
-// q4_1's copies for the kernels that read their own, or None: amx [P, K/32, 32, 16]
-// uint8 (each output's 16 bytes of a block), dot [P, K/32, 4, 32] int32 (the bf16 dot
-// kernel's regrouping, quant_linear_bf16.cpp `q4_1_dot_pairs`).
+// dot: q4_1's levels regrouped for the kernels that read them so (the bf16 dot product
+// and the AMX tile kernel), [P, K/32, 4, 32] int32 (quant_linear_bf16.cpp
+// `q4_1_dot_pairs`), or None.
 void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
                          const std::optional<at::Tensor>& source_rows,
                          const std::optional<at::Tensor>& levels, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins,
-                         const std::optional<at::Tensor>& amx,
                          const std::optional<at::Tensor>& dot, int64_t row0) {
   const char* op = "gguf_repack_panels_";
   const Type& type = find_type(type_name, raw, op);
@@ -282,14 +281,12 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   TORCH_CHECK(mins.has_value() == nibbles, op, ": mins are q4_1's alone");
   if (mins) check_out(*mins, at::kFloat, {P, S, 32}, "mins");
   if (levels) check_out(*levels, nibbles ? at::kByte : at::kChar, {P, cols, 32}, "levels");
-  TORCH_CHECK((!amx && !dot) || nibbles, op, ": the AMX and dot copies are q4_1's alone");
-  if (amx) check_out(*amx, at::kByte, {P, K / 32, 32, 16}, "amx");
+  TORCH_CHECK(!dot || nibbles, op, ": the dot pairs are q4_1's alone");
   if (dot) check_out(*dot, at::kInt, {P, K / 32, 4, 32}, "dot");
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* lp = levels ? static_cast<uint8_t*>(levels->mutable_data_ptr()) : nullptr;
   float* sp = scales.mutable_data_ptr<float>();
   float* mp = mins ? mins->mutable_data_ptr<float>() : nullptr;
-  uint8_t* ap = amx ? amx->mutable_data_ptr<uint8_t>() : nullptr;
   uint32_t* dp = dot ? reinterpret_cast<uint32_t*>(dot->mutable_data_ptr<int32_t>()) : nullptr;
   const int64_t panels = (N + 31) / 32;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -313,9 +310,6 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
         for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
         if (mp)
           for (int64_t i = 0; i < S; ++i) mp[(p * S + i) * 32 + n] = m[i];
-        if (ap)
-          for (int64_t b = 0; b < K / 32; ++b)
-            std::memcpy(ap + ((p * (K / 32) + b) * 32 + n) * 16, q.data() + b * 16, 16);
         if (dp)
           for (int64_t b = 0; b < K / 32; ++b)
             for (int c = 0; c < 4; ++c) {  // k = 4c + i + 16 in the low half, k = 4c + i high
@@ -337,8 +331,8 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("gguf_repack(str type_name, Tensor raw, Tensor? source_rows) -> Tensor[]");
   m.def("gguf_repack_panels_(str type_name, Tensor raw, Tensor? source_rows, "
-        "Tensor(a!)? levels, Tensor(b!) scales, Tensor(c!)? mins, Tensor(d!)? amx, "
-        "Tensor(e!)? dot, int row0) -> ()");
+        "Tensor(a!)? levels, Tensor(b!) scales, Tensor(c!)? mins, Tensor(d!)? dot, "
+        "int row0) -> ()");
   m.impl("gguf_repack", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack));
   m.impl("gguf_repack_panels_", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack_panels_));
 }

@@ -16,14 +16,15 @@
 // to nearest even, as the bf16 checkpoint rounded it: the same bf16 weights as oneDNN
 // multiplies; only the summation order differs.
 //
-// Layout: `levels` [panels][K/32][32][16] uint8, per panel and block each output's 16
-// bytes in a row (byte j: k = j in the low nibble, k = j + 16 in the high one), the
-// panel layout's bytes transposed (gpu/cpu/panel_blocks.py `amx_levels`); scales and
-// mins in the panel layout. A lookup's index is one output's bytes spread to words, byte
-// j's nibbles side by side: the tile unit's k pair r is k = r and k = r + 16, and x is
-// permuted to match as it is transposed (x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1] =
-// x[32b + j + 16]), the pairing of quant_linear_amx.cpp, so both kernels sum a product
-// in the same order.
+// Layout: the bf16 dot kernel's (quant_linear_bf16.cpp, `PanelBlocks.dot_pairs`), so one
+// copy of the levels serves both: per panel, block and chunk c < 4, one dword per output
+// n, its low word holding k = 4c + i + 16 and its high word k = 4c + i in nibble i. Each
+// half panel's four chunk vectors are transposed in registers into each output's 16 bytes
+// (dword c of output n: bytes 4c..4c+3), and a lookup's index is one output's nibbles
+// spread to words in k pair order: the tile unit's k pair r is k = r and k = r + 16, and
+// x is permuted to match as it is transposed (x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1]
+// = x[32b + j + 16]), the pairing of quant_linear_amx.cpp, so both kernels sum a product
+// in the same order. Scales and mins: the panel layout.
 //
 // Tiles (all 8): C 0-3 (outputs 0-15 and 16-31 x two x tiles of up to 16 rows), A 4-5
 // (the two output halves' weights, one block), B 6-7 (the two x tiles' k pairs).
@@ -94,11 +95,17 @@ inline void transpose16(__m512 r[16]) {
 alignas(64) constexpr uint16_t kPairs[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
                                              21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                              11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-// Byte 2i of a lookup's index from level byte i / 2 (odd bytes zeroed by the mask).
+// Index word w of a lookup (k = w / 2, + 16 where w is odd) from an output's 16 bytes:
+// word 2r (k = r = 4c + i) is in dword c's high word, word 2r + 1 (k = r + 16) in its low
+// one, nibble i of each: byte kSpread[2w] (odd bytes zeroed by the mask), shifted right
+// by kShift[w].
 alignas(64) constexpr uint8_t kSpread[64] = {
-    0, 0, 0, 0, 1, 0, 1, 0, 2, 0, 2, 0, 3, 0, 3, 0, 4, 0, 4, 0, 5, 0, 5, 0,
-    6, 0, 6, 0, 7, 0, 7, 0, 8, 0, 8, 0, 9, 0, 9, 0, 10, 0, 10, 0, 11, 0, 11, 0,
-    12, 0, 12, 0, 13, 0, 13, 0, 14, 0, 14, 0, 15, 0, 15, 0};
+    2,  0, 0,  0, 2,  0, 0,  0, 3,  0, 1,  0, 3,  0, 1,  0,   // c = 0
+    6,  0, 4,  0, 6,  0, 4,  0, 7,  0, 5,  0, 7,  0, 5,  0,   // c = 1
+    10, 0, 8,  0, 10, 0, 8,  0, 11, 0, 9,  0, 11, 0, 9,  0,   // c = 2
+    14, 0, 12, 0, 14, 0, 12, 0, 15, 0, 13, 0, 15, 0, 13, 0};  // c = 3
+alignas(64) constexpr uint16_t kShift[32] = {0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4,
+                                             0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4};
 
 // x [M, K] bf16 (row stride xs) as B tiles: per x tile t and block b, 16 rows (the k
 // pairs r and r + 16 of the block) of 16 columns (the tile's x rows; zeros past M),
@@ -126,33 +133,38 @@ std::unique_ptr<uint32_t[]> transposed_x(const c10::BFloat16* x, int64_t M, int6
 }
 
 // The A tile of 16 outputs of one block: out[16][32] bf16, output n's weights along k.
-// `q`: their 16 bytes each in a row; `d`, `m`: their scales and mins.
-inline void widen16(const uint8_t* q, const float* d, const float* m, uint16_t* out) {
+// `q`: their chunk-0 dwords (chunk c at q + 32c); `d`, `m`: their scales and mins.
+inline void widen16(const uint32_t* q, const float* d, const float* m, uint16_t* out) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // Word 2r holds byte r's low nibble (k = r), word 2r + 1 its high one (k = r + 16),
-  // shifted down; the low 4 bits kept, and bit 4 choosing the second output's half of
-  // the table.
+  // Four chunk vectors (lane n: output n's dword c) transposed per 128-bit lane L:
+  // bytes[j] lane L holds output 4L + j's four dwords, chunk by chunk.
+  const __m512i c0 = _mm512_loadu_si512(q), c1 = _mm512_loadu_si512(q + kPanel);
+  const __m512i c2 = _mm512_loadu_si512(q + 2 * kPanel), c3 = _mm512_loadu_si512(q + 3 * kPanel);
+  const __m512i lo01 = _mm512_unpacklo_epi32(c0, c1), hi01 = _mm512_unpackhi_epi32(c0, c1);
+  const __m512i lo23 = _mm512_unpacklo_epi32(c2, c3), hi23 = _mm512_unpackhi_epi32(c2, c3);
+  const __m512i bytes[4] = {_mm512_unpacklo_epi64(lo01, lo23), _mm512_unpackhi_epi64(lo01, lo23),
+                            _mm512_unpacklo_epi64(hi01, hi23), _mm512_unpackhi_epi64(hi01, hi23)};
   const __m512i spread = _mm512_load_si512(kSpread);
-  const __m512i shifts = _mm512_set1_epi32(4 << 16);
+  const __m512i shifts = _mm512_load_si512(kShift);
+  // The low 4 bits kept, and bit 4 choosing the second output's half of the table.
   const __m512i nibble = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(0x10);
   constexpr __mmask64 kLow = 0x5555555555555555ull;
-  for (int n = 0; n < kTile; n += 2) {
-    const __m512 t0 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n]), _mm512_set1_ps(m[n]));
-    const __m512 t1 =
-        _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n + 1]), _mm512_set1_ps(m[n + 1]));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  // n in 0-15, n + 1 in 16-31
-    const __m512i b0 = _mm512_maskz_permutexvar_epi8(
-        kLow, spread,
-        _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * 16))));
-    const __m512i b1 = _mm512_maskz_permutexvar_epi8(
-        kLow, spread,
-        _mm512_castsi128_si512(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + 1) * 16))));
-    const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(b0, shifts), nibble);
-    const __m512i i1 =
-        _mm512_ternarylogic_epi32(_mm512_srlv_epi16(b1, shifts), nibble, second, 0xEA);
-    _mm512_store_si512(out + n * 32, _mm512_permutexvar_epi16(i0, table));
-    _mm512_store_si512(out + (n + 1) * 32, _mm512_permutexvar_epi16(i1, table));
+  for (int lane = 0; lane < 4; ++lane) {
+    const __m512i at = _mm512_add_epi8(spread, _mm512_set1_epi8(static_cast<char>(16 * lane)));
+    for (int j = 0; j < 4; j += 2) {
+      const int n = 4 * lane + j;
+      const __m512 t0 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n]), _mm512_set1_ps(m[n]));
+      const __m512 t1 =
+          _mm512_fmadd_ps(levels, _mm512_set1_ps(d[n + 1]), _mm512_set1_ps(m[n + 1]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  // n in 0-15, n + 1 in 16-31
+      const __m512i b0 = _mm512_maskz_permutexvar_epi8(kLow, at, bytes[j]);
+      const __m512i b1 = _mm512_maskz_permutexvar_epi8(kLow, at, bytes[j + 1]);
+      const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi16(b0, shifts), nibble);
+      const __m512i i1 =
+          _mm512_ternarylogic_epi32(_mm512_srlv_epi16(b1, shifts), nibble, second, 0xEA);
+      _mm512_store_si512(out + n * 32, _mm512_permutexvar_epi16(i0, table));
+      _mm512_store_si512(out + (n + 1) * 32, _mm512_permutexvar_epi16(i1, table));
+    }
   }
 }
 
@@ -170,13 +182,13 @@ inline void store_transposed(const float* acc, int ld, int rows, int64_t cols,
 }
 
 // Block g's lines into L1: its levels (8 lines), scales and mins (2 lines each).
-inline void prefetch_block(const uint8_t* q, const float* d, const float* m, int64_t g) {
+inline void prefetch_block(const uint32_t* q, const float* d, const float* m, int64_t g) {
   for (int64_t o = 0; o < kPanel * 16; o += 64) prefetch::t0(q, g * kPanel * 16 + o);
   for (const float* s : {d, m})
     for (int64_t o = 0; o < kPanel * 4; o += 64) prefetch::t0(s, g * kPanel * 4 + o);
 }
 
-void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const float* m,
+void amx_linear(const at::Tensor& x, const uint32_t* q, const float* d, const float* m,
                 int64_t K, int64_t N, at::Tensor& out) {
   const int64_t M = x.size(0), blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const int64_t tiles = (M + kTile - 1) / kTile;
@@ -216,8 +228,8 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
           uint16_t* a = buf + (b % ring) * kSlot;
           if (t == 0) {
             if (g + kPrefetch < end * blocks) prefetch_block(q, d, m, g + kPrefetch);
-            widen16(q + g * kPanel * 16, d + g * kPanel, m + g * kPanel, a);
-            widen16(q + g * kPanel * 16 + 16 * 16, d + g * kPanel + 16, m + g * kPanel + 16,
+            widen16(q + g * kPanel * 4, d + g * kPanel, m + g * kPanel, a);
+            widen16(q + g * kPanel * 4 + 16, d + g * kPanel + 16, m + g * kPanel + 16,
                     a + 16 * 32);
           }
           _tile_loadd(4, a, 64);
@@ -252,17 +264,17 @@ void amx_linear(const at::Tensor& x, const uint8_t* q, const float* d, const flo
 
 namespace kernels {
 
-at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
+at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qpairs,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_amx";
   TORCH_CHECK(amx::permitted(), op, ": Linux refused this process the AMX state");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, op,
               ": x must be bfloat16 [M, K] with contiguous rows, got ", x.scalar_type(), " ",
               x.sizes());
-  TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 4 && levels.is_contiguous() &&
-                  levels.size(2) == kPanel && levels.size(3) == 16,
-              op, ": levels must be contiguous uint8 [panels, K/32, 32, 16]");
-  const int64_t panels = levels.size(0), K = levels.size(1) * kBlock;
+  TORCH_CHECK(qpairs.scalar_type() == at::kInt && qpairs.dim() == 4 && qpairs.is_contiguous() &&
+                  qpairs.size(2) == 4 && qpairs.size(3) == kPanel,
+              op, ": qpairs must be contiguous int32 [panels, K/32, 4, 32] (PanelBlocks.dot_pairs)");
+  const int64_t panels = qpairs.size(0), K = qpairs.size(1) * kBlock;
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
@@ -272,7 +284,7 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
               " does not fill ", panels, " panels of 32 outputs");
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
-  amx_linear(x, levels.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+  amx_linear(x, reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>()), scales.const_data_ptr<float>(),
              mins.const_data_ptr<float>(), K, N, out);
   return out;
 }
@@ -281,7 +293,7 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& levels,
 
 // Registered only where AMX was compiled in: callers look the op up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("q4_1_linear_amx(Tensor x, Tensor levels, Tensor scales, Tensor mins, int N) -> Tensor");
+  m.def("q4_1_linear_amx(Tensor x, Tensor qpairs, Tensor scales, Tensor mins, int N) -> Tensor");
   m.impl("q4_1_linear_amx", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_amx));
 }
 #endif
