@@ -271,7 +271,8 @@ def test_panels_written_straight_from_the_gguf_are_the_row_orders(type_name):
     for raw, source_rows, row0 in ((parts[0], None, 0), (parts[1], order, 32)):
         KERNELS.gguf_repack_panels_(type_name, torch.from_numpy(raw), None if source_rows
                                     is None else torch.from_numpy(source_rows),
-                                    levels.view(3, -1, 32), scales, mins, dot, row0)
+                                    levels.view(3, -1, 32), scales, mins, dot, None, None,
+                                    row0)
     got = (levels, scales) if mins is None else (levels, scales, mins)
     for a, b in zip(got, reference.tensors, strict=True):
         assert a.numpy().tobytes() == b.numpy().tobytes()

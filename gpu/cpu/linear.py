@@ -156,14 +156,16 @@ class PackedLinear(nn.Module):
                         if plan.amx_rows is not None else None)
         # Q4_1's levels regrouped (`dot_pairs`) for the dot kernel and the Q4_1 AMX
         # kernel, one copy for both: the panels' bytes once more where the float32
-        # kernel also reads the panels. Q8_0's AMX kernel reads the panels.
+        # kernel also reads the panels. Q8_0's AMX kernel reads the panels. Beside
+        # them a Q4_K's scale codes where the blocks have them, else float32 scales.
         pairs = (self.quantized.dot_pairs(capabilities)
                  if quantized is not None and quantized.format == "q4_1"
                  and (plan.dot_max_rows or plan.amx_rows is not None) else None)
         # The ops' block arguments, bound once rather than per call.
         self._quantized_args = (() if self.quantized is None
                                 else (*self.quantized.tensors, self.out_features))
-        paired = () if pairs is None else (pairs, *self.quantized.tensors[1:], self.out_features)
+        paired = (() if pairs is None
+                  else (pairs, *self.quantized.paired_scales, self.out_features))
         self._dot_args = paired if plan.dot_max_rows else ()
         self._amx_args = paired or self._quantized_args
         self.dot_pairs = pairs
@@ -173,8 +175,8 @@ class PackedLinear(nn.Module):
         self._plain_below = plan.plain_below
         self.plan = plan
         # Where the dot kernel and the tile unit take every call (bf16 on AMX, the blocks
-        # held alone), nothing reads the panels' levels, only their scales and minimums:
-        # the pairs hold the same bytes, so these go (0.5 byte a weight).
+        # held alone), nothing reads the panels' levels, only their scales and minimums
+        # (or codes in their place): the pairs hold the same bytes, so these go.
         if self.quantized is not None and not reads_panel_levels(plan, quantized.format):
             self.quantized = self.quantized.without_levels()
             self._quantized_args = ()

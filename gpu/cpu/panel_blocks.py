@@ -12,6 +12,7 @@ import torch
 
 from gpu.cpu.capabilities import CpuCapabilities
 from models.gguf_blocks import BLOCK, GGUFBlocks, QuantizedWeight
+from models.gguf_repack import QK_K
 
 PANEL = 32  # output rows per panel of the kernels' layout
 
@@ -27,10 +28,21 @@ class PanelBlocks:
     tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
     # Q4_1's levels as the dot and AMX kernels read them, where `read` wrote them.
     dot: torch.Tensor | None = None
+    # A Q4_K's own scale codes, for those kernels in place of the float32 scales and mins
+    # (`q4_1_scales.h`: 0.09 byte a weight where those take 0.25), where `read` wrote them.
+    codes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def in_features(self) -> int:
+        if self.dot is not None:
+            return self.dot.shape[1] * BLOCK
         return self.tensors[1].shape[1] * (16 if self.format == "q8_16" else BLOCK)
+
+    @property
+    def paired_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and mins the dot and AMX kernels take beside `dot_pairs`: the codes
+        where the blocks have them, else the float32 ones."""
+        return self.codes if self.codes is not None else self.tensors[1:]
 
     @staticmethod
     def read(blocks: GGUFBlocks, names: list[str], kernels, levels: bool,
@@ -38,10 +50,11 @@ class PanelBlocks:
         """The weights `names` (their rows stacked in order, as q, k, v in one qkv) read
         from the GGUF straight into panels by the kernels' `gguf_repack_panels_`: the
         scales (and minimums), the levels where `levels` (else an empty tensor, as
-        `without_levels` leaves), and Q4_1's `dot_pairs` where `dot`. One pass from the
-        mapped file where `of` takes a row-order copy, a stack and a transpose, and the
-        pairs another. None where it cannot: no such op,
-        parts in different formats, or a part before the last that ends inside a panel."""
+        `without_levels` leaves), and Q4_1's `dot_pairs` where `dot` (with a Q4_K's
+        scale codes for them, and then no float32 scales unless with the levels). One
+        pass from the mapped file where `of` takes a row-order copy, a stack and a
+        transpose, and the pairs another. None where it cannot: no such op, parts in
+        different formats, or a part before the last that ends inside a panel."""
         op = CpuCapabilities.of(kernels).op("gguf_repack_panels_") if kernels else None
         sources = [blocks.sources[n] for n in names]
         fmt = sources[0].format
@@ -51,22 +64,28 @@ class PanelBlocks:
             return None
         n, k = sum(s.out_features for s in sources), sources[0].in_features
         panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
-        codes = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
-                             PANEL) if levels else 0,
-                            dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
-        scales = torch.empty(panels, k // per_scale, PANEL)
-        mins = torch.empty_like(scales) if fmt == "q4_1" else None
+        levels_ = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
+                               PANEL) if levels else 0,
+                              dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
         pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
             if dot and fmt == "q4_1" else None
+        coded = pairs is not None and all(s.type_name == "Q4_K" for s in sources)
+        codes = (torch.empty(panels, k // BLOCK, 2, PANEL, dtype=torch.uint8),
+                 torch.empty(panels, k // QK_K, 2, PANEL)) if coded else (None, None)
+        # Float32 scales for the panels' kernels, or for the pairs' where no codes are.
+        floats = levels or not coded
+        scales = torch.empty(panels, k // per_scale, PANEL) if floats else torch.empty(0)
+        mins = torch.empty_like(scales) if fmt == "q4_1" else None
         row0 = 0
         for name, src in zip(names, sources, strict=True):
             with blocks.mapped(name) as (raw, rows):
                 op(src.type_name, torch.from_numpy(raw), None if rows is None
-                   else torch.from_numpy(rows), codes.view(panels, -1, PANEL)
-                   if levels else None, scales, mins, pairs, row0)
+                   else torch.from_numpy(rows), levels_.view(panels, -1, PANEL)
+                   if levels else None, scales if floats else None,
+                   mins if floats else None, pairs, *codes, row0)
             row0 += src.out_features
-        return PanelBlocks(fmt, n, (codes, scales) if mins is None else (codes, scales, mins),
-                           pairs)
+        return PanelBlocks(fmt, n, (levels_, scales) if mins is None else (levels_, scales, mins),
+                           pairs, codes if coded else None)
 
     @staticmethod
     def of(q: QuantizedWeight | PanelBlocks) -> PanelBlocks:
@@ -121,14 +140,19 @@ class PanelBlocks:
         return torch.where(dwords >= 2**31, dwords - 2**32, dwords).to(torch.int32).contiguous()
 
     def without_levels(self) -> PanelBlocks:
-        """These blocks' scales (and minimums) without their levels, for a layer whose
-        kernels read the levels as `dot_pairs`."""
+        """These blocks as a layer keeps them whose every call reads `dot_pairs`: no
+        panel levels, and no float32 scales and mins where the codes stand for them."""
+        kept = (self.tensors[1:] if self.codes is None
+                else tuple(t.new_empty(0) for t in self.tensors[1:]))
         return PanelBlocks(self.format, self.out_features,
-                           (self.tensors[0].new_empty(0), *self.tensors[1:]), self.dot)
+                           (self.tensors[0].new_empty(0), *kept), self.dot, self.codes)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        """Bytes the panels hold (not counting `dot`), with the codes."""
+        codes = 0 if self.codes is None else sum(t.nbytes for t in self.codes)
+        return sum(t.numel() * t.element_size() for t in self.tensors) + codes
+
 
 
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:

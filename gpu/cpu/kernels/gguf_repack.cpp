@@ -40,11 +40,15 @@ float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// One output row's destination: levels (nibble bytes or int8), scales, mins (q4_1 only).
+// One output row's destination: levels (nibble bytes or int8), scales, mins (q4_1 only),
+// and where asked a Q4_K's codes (per block its scale and min, per super-block d and
+// -dmin: q4_1_scales.h).
 struct Row {
   uint8_t* q;
   float* d;
   float* m;
+  uint8_t* codes = nullptr;
+  float* supers = nullptr;
 };
 
 // Per type: weights per block, bytes per block, kernel format, and the rewrite of one
@@ -92,6 +96,14 @@ void q4_k(const uint8_t* x, Row r, int64_t b) {
     k_scale_min(x + 4, s, &sc, &mn);
     r.d[b * 8 + s] = d * static_cast<float>(sc);
     r.m[b * 8 + s] = -(dmin * static_cast<float>(mn));
+    if (r.codes) {
+      r.codes[(b * 8 + s) * 2] = static_cast<uint8_t>(sc);
+      r.codes[(b * 8 + s) * 2 + 1] = static_cast<uint8_t>(mn);
+    }
+  }
+  if (r.supers) {
+    r.supers[b * 2] = d;
+    r.supers[b * 2 + 1] = -dmin;
   }
 }
 
@@ -259,55 +271,79 @@ std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tens
 // mapped file instead of a row-order copy, a stack and a transpose, each a fresh
 // allocation. row0 must start a panel; rows past N in the last panel are zeros.
 // levels: [P, level bytes, 32] (uint8 q4_1, int8 q8_0 / q8_16), or None where the layer
-// keeps no panel levels; scales, mins: [P, scales, 32] float32 (mins None but for q4_1);
+// keeps no panel levels; scales, mins: [P, scales, 32] float32 (mins None but for q4_1),
+// or None where a Q4_K's codes stand for them;
 // dot: q4_1's levels regrouped for the kernels that read them so (the bf16 dot product
 // and the AMX tile kernel), [P, K/32, 4, 32] int32 (quant_linear_bf16.cpp
-// `q4_1_dot_pairs`), or None.
+// `q4_1_dot_pairs`), or None. codes, supers: a Q4_K's own scale codes as those kernels
+// read them (q4_1_scales.h), uint8 [P, K/32, 2, 32] and float32 [P, K/256, 2, 32], or None.
 void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
                          const std::optional<at::Tensor>& source_rows,
-                         const std::optional<at::Tensor>& levels, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& levels,
+                         const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins,
-                         const std::optional<at::Tensor>& dot, int64_t row0) {
+                         const std::optional<at::Tensor>& dot,
+                         const std::optional<at::Tensor>& codes,
+                         const std::optional<at::Tensor>& supers, int64_t row0) {
   const char* op = "gguf_repack_panels_";
   const Type& type = find_type(type_name, raw, op);
   const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
   const int64_t K = blocks * type.weights, cols = level_bytes(type, K);
-  const int64_t S = scale_count(type, K), P = scales.size(0);
   const bool nibbles = std::string(type.format) == "q4_1";
+  const std::optional<at::Tensor>* first = scales ? &scales : levels ? &levels : dot ? &dot : &codes;
+  TORCH_CHECK(first->has_value(), op, ": nothing to write");
+  const int64_t S = scale_count(type, K), P = (*first)->size(0);
   const int64_t* order = row_order(source_rows, N, op);
   TORCH_CHECK(row0 % 32 == 0 && row0 >= 0 && row0 + N <= P * 32,
               op, ": rows ", row0, "..", row0 + N, " do not fit ", P, " panels from a panel start");
-  check_out(scales, at::kFloat, {P, S, 32}, "scales");
-  TORCH_CHECK(mins.has_value() == nibbles, op, ": mins are q4_1's alone");
+  if (scales) check_out(*scales, at::kFloat, {P, S, 32}, "scales");
+  TORCH_CHECK(mins.has_value() == (nibbles && scales.has_value()), op,
+              ": mins come with q4_1's scales alone");
   if (mins) check_out(*mins, at::kFloat, {P, S, 32}, "mins");
   if (levels) check_out(*levels, nibbles ? at::kByte : at::kChar, {P, cols, 32}, "levels");
   TORCH_CHECK(!dot || nibbles, op, ": the dot pairs are q4_1's alone");
+  TORCH_CHECK(codes.has_value() == supers.has_value() && (!codes || type_name == "Q4_K"), op,
+              ": codes and supers come together, from Q4_K alone");
+  if (codes) check_out(*codes, at::kByte, {P, K / 32, 2, 32}, "codes");
+  if (supers) check_out(*supers, at::kFloat, {P, K / kQK, 2, 32}, "supers");
   if (dot) check_out(*dot, at::kInt, {P, K / 32, 4, 32}, "dot");
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* lp = levels ? static_cast<uint8_t*>(levels->mutable_data_ptr()) : nullptr;
-  float* sp = scales.mutable_data_ptr<float>();
+  float* sp = scales ? scales->mutable_data_ptr<float>() : nullptr;
   float* mp = mins ? mins->mutable_data_ptr<float>() : nullptr;
   uint32_t* dp = dot ? reinterpret_cast<uint32_t*>(dot->mutable_data_ptr<int32_t>()) : nullptr;
+  uint8_t* cp = codes ? codes->mutable_data_ptr<uint8_t>() : nullptr;
+  float* up = supers ? supers->mutable_data_ptr<float>() : nullptr;
+  const int64_t C = K / 32 * 2, U = K / kQK * 2;  // a row's codes and supers
   const int64_t panels = (N + 31) / 32;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> q(cols);
-    std::vector<float> d(S), m(nibbles ? S : 0);
+    std::vector<float> d(S), m(nibbles ? S : 0), u(cp ? U : 0);
+    std::vector<uint8_t> c(cp ? C : 0);
     for (int64_t local = begin; local < end; ++local) {
       const int64_t p = row0 / 32 + local;
       for (int64_t n = 0; n < 32; ++n) {
         const int64_t r = local * 32 + n;
         if (r < N) {
           const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
-          const Row out{q.data(), d.data(), nibbles ? m.data() : nullptr};
+          const Row out{q.data(), d.data(), nibbles ? m.data() : nullptr,
+                        cp ? c.data() : nullptr, cp ? u.data() : nullptr};
           for (int64_t b = 0; b < blocks; ++b) type.rewrite(row + b * type.bytes, out, b);
         } else {  // the last panel's filling rows
           std::fill(q.begin(), q.end(), 0);
           std::fill(d.begin(), d.end(), 0.0f);
           std::fill(m.begin(), m.end(), 0.0f);
+          std::fill(c.begin(), c.end(), 0);
+          std::fill(u.begin(), u.end(), 0.0f);
+        }
+        if (cp) {
+          for (int64_t i = 0; i < C; ++i) cp[(p * C + i) * 32 + n] = c[i];
+          for (int64_t i = 0; i < U; ++i) up[(p * U + i) * 32 + n] = u[i];
         }
         if (lp)
           for (int64_t c = 0; c < cols; ++c) lp[(p * cols + c) * 32 + n] = q[c];
-        for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
+        if (sp)
+          for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
         if (mp)
           for (int64_t i = 0; i < S; ++i) mp[(p * S + i) * 32 + n] = m[i];
         if (dp)
@@ -331,8 +367,8 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("gguf_repack(str type_name, Tensor raw, Tensor? source_rows) -> Tensor[]");
   m.def("gguf_repack_panels_(str type_name, Tensor raw, Tensor? source_rows, "
-        "Tensor(a!)? levels, Tensor(b!) scales, Tensor(c!)? mins, Tensor(d!)? dot, "
-        "int row0) -> ()");
+        "Tensor(a!)? levels, Tensor(b!)? scales, Tensor(c!)? mins, Tensor(d!)? dot, "
+        "Tensor(e!)? codes, Tensor(f!)? supers, int row0) -> ()");
   m.impl("gguf_repack", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack));
   m.impl("gguf_repack_panels_", c10::DispatchKey::CPU, TORCH_FN(kernels::gguf_repack_panels_));
 }

@@ -24,7 +24,7 @@
 // spread to words in k pair order: the tile unit's k pair r is k = r and k = r + 16, and
 // x is permuted to match as it is transposed (x'[32b + 2j] = x[32b + j], x'[32b + 2j + 1]
 // = x[32b + j + 16]), the pairing of quant_linear_amx.cpp, so both kernels sum a product
-// in the same order. Scales and mins: the panel layout.
+// in the same order. Scales and mins: float32, or a Q4_K's codes (q4_1_scales.h).
 //
 // Tiles (all 8): C 0-3 (outputs 0-15 and 16-31 x two x tiles of up to 16 rows), A 4-5
 // (the two output halves' weights, one block), B 6-7 (the two x tiles' k pairs).
@@ -43,6 +43,7 @@
 #include "amx.h"
 #include "entry_points.h"
 #include "prefetch.h"
+#include "q4_1_scales.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -181,14 +182,20 @@ inline void store_transposed(const float* acc, int ld, int rows, int64_t cols,
     _mm256_mask_storeu_epi16(out + i * N, mask, (__m256i)_mm512_cvtneps_pbh(r[i]));
 }
 
-// Block g's lines into L1: its levels (8 lines), scales and mins (2 lines each).
-inline void prefetch_block(const uint32_t* q, const float* d, const float* m, int64_t g) {
+// Block g's lines into L1: its levels (8 lines), scales and mins (2 lines each; coded,
+// a line of codes and a quarter of its super-block's four).
+inline void prefetch_block(const uint32_t* q, const quant::Q4_1Scales& sc, int64_t g) {
   for (int64_t o = 0; o < kPanel * 16; o += 64) prefetch::t0(q, g * kPanel * 16 + o);
-  for (const float* s : {d, m})
+  if (sc.d == nullptr) {
+    prefetch::t0(sc.codes, g * 64);
+    prefetch::t0(sc.supers, g / 8 * 256 + g % 4 * 64);
+    return;
+  }
+  for (const float* s : {sc.d, sc.m})
     for (int64_t o = 0; o < kPanel * 4; o += 64) prefetch::t0(s, g * kPanel * 4 + o);
 }
 
-void amx_linear(const at::Tensor& x, const uint32_t* q, const float* d, const float* m,
+void amx_linear(const at::Tensor& x, const uint32_t* q, const quant::Q4_1Scales& sc,
                 int64_t K, int64_t N, at::Tensor& out) {
   const int64_t M = x.size(0), blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const int64_t tiles = (M + kTile - 1) / kTile;
@@ -227,10 +234,19 @@ void amx_linear(const at::Tensor& x, const uint32_t* q, const float* d, const fl
           const int64_t g = p * blocks + b;  // the block's place in memory
           uint16_t* a = buf + (b % ring) * kSlot;
           if (t == 0) {
-            if (g + kPrefetch < end * blocks) prefetch_block(q, d, m, g + kPrefetch);
-            widen16(q + g * kPanel * 4, d + g * kPanel, m + g * kPanel, a);
-            widen16(q + g * kPanel * 4 + 16, d + g * kPanel + 16, m + g * kPanel + 16,
-                    a + 16 * 32);
+            if (g + kPrefetch < end * blocks) prefetch_block(q, sc, g + kPrefetch);
+            alignas(64) float d[kPanel], m[kPanel];  // the block's scales and mins
+            for (int h = 0; h < 2; ++h) {
+              __m512 dv, mv;
+              if (sc.d != nullptr)
+                sc.load<false>(p, b, h, dv, mv);
+              else
+                sc.load<true>(p, b, h, dv, mv);
+              _mm512_store_ps(d + 16 * h, dv);
+              _mm512_store_ps(m + 16 * h, mv);
+            }
+            widen16(q + g * kPanel * 4, d, m, a);
+            widen16(q + g * kPanel * 4 + 16, d + 16, m + 16, a + 16 * 32);
           }
           _tile_loadd(4, a, 64);
           _tile_loadd(5, a + 16 * 32, 64);
@@ -275,17 +291,14 @@ at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qpairs,
                   qpairs.size(2) == 4 && qpairs.size(3) == kPanel,
               op, ": qpairs must be contiguous int32 [panels, K/32, 4, 32] (PanelBlocks.dot_pairs)");
   const int64_t panels = qpairs.size(0), K = qpairs.size(1) * kBlock;
-  for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
-                op, ": scales and mins must be contiguous float32 [panels, K/32, 32]");
+  const quant::Q4_1Scales sc = quant::Q4_1Scales::of(scales, mins, panels, K, op);
   TORCH_CHECK(x.size(1) == K, op, ": x has K = ", x.size(1), " but the weight has K = ", K);
   TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, op, ": N = ", N,
               " does not fill ", panels, " panels of 32 outputs");
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
-  amx_linear(x, reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>()), scales.const_data_ptr<float>(),
-             mins.const_data_ptr<float>(), K, N, out);
+  amx_linear(x, reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>()), sc, K, N,
+             out);
   return out;
 }
 

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "entry_points.h"
+#include "q4_1_scales.h"
 #include "quant_blocks.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -102,28 +103,35 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
 }
 
 // Asks L2 for block `block` of the call (panel-major over every panel): its levels (8
-// lines), scales and mins (2 lines each). Past the call's last block these are addresses
+// lines), scales and mins (2 lines each; coded, a line of codes and a quarter of its
+// super-block's four). Past the call's last block these are addresses
 // of other memory or none: a prefetch never faults, and the addresses are formed as
 // integers, so no pointer leaves its tensor. prefetcht1 is written as asm: GCC 12's
 // dead-code elimination drops `_mm_prefetch` from this loop when its address is guarded,
 // and may where it is not.
-inline void read_ahead(const uint32_t* qp, const float* d, const float* m, int64_t block) {
+template <bool kCoded>
+inline void read_ahead(const uint32_t* qp, const Q4_1Scales& sc, int64_t block) {
   const auto line = [](const void* base, int64_t offset) {
     const auto* at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
     asm volatile("prefetcht1 %0" : : "m"(*at));
   };
   for (int64_t i = 0; i < 8; ++i) line(qp, block * kPanel * 4 * 4 + 64 * i);
+  if (kCoded) {
+    line(sc.codes, block * 64);
+    line(sc.supers, block / 8 * 256 + block % 4 * 64);
+    return;
+  }
   for (int64_t i = 0; i < 2; ++i) {
-    line(d, block * kPanel * 4 + 64 * i);
-    line(m, block * kPanel * 4 + 64 * i);
+    line(sc.d, block * kPanel * 4 + 64 * i);
+    line(sc.m, block * kPanel * 4 + 64 * i);
   }
 }
 
-// T rows of x against panel p: qp the dot pairs, d and m the scales and mins, xp [T][K/2]
+// T rows of x against panel p: qp the dot pairs, sc the scales and mins, xp [T][K/2]
 // packed x pairs, x_sums [T][K/32]; out: T rows of the panel's outputs (row stride os),
 // `cols` of them real. acc += d * sum(q x) + m * sum(x), block by block in order.
-template <int T>
-inline void panel(const uint32_t* qp, const float* d, const float* m, int64_t K, int64_t p,
+template <int T, bool kCoded>
+inline void panel(const uint32_t* qp, const Q4_1Scales sc, int64_t K, int64_t p,
                   const uint32_t* xp, const float* x_sums, c10::BFloat16* out, int64_t os,
                   int64_t cols) {
   const int64_t blocks = K / kBlock;
@@ -131,9 +139,9 @@ inline void panel(const uint32_t* qp, const float* d, const float* m, int64_t K,
   __m512 acc[T][2];
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   auto add = [&](int64_t b, const __m512 (&qx)[T][2]) {
-    const int64_t at = (p * blocks + b) * kPanel;
-    const __m512 d0 = _mm512_loadu_ps(d + at), d1 = _mm512_loadu_ps(d + at + 16);
-    const __m512 m0 = _mm512_loadu_ps(m + at), m1 = _mm512_loadu_ps(m + at + 16);
+    __m512 d0, d1, m0, m1;
+    sc.load<kCoded>(p, b, 0, d0, m0);
+    sc.load<kCoded>(p, b, 1, d1, m1);
     for (int t = 0; t < T; ++t) {
       const __m512 xs = _mm512_set1_ps(x_sums[t * blocks + b]);
       acc[t][0] = _mm512_fmadd_ps(m0, xs, _mm512_fmadd_ps(d0, qx[t][0], acc[t][0]));
@@ -144,13 +152,13 @@ inline void panel(const uint32_t* qp, const float* d, const float* m, int64_t K,
   const int64_t ahead = p * blocks + kPrefetchBlocks;
   int64_t b = 0;
   for (; b + kPairedBlocks <= blocks; b += kPairedBlocks) {
-    for (int nb = 0; nb < kPairedBlocks; ++nb) read_ahead(qp, d, m, ahead + b + nb);
+    for (int nb = 0; nb < kPairedBlocks; ++nb) read_ahead<kCoded>(qp, sc, ahead + b + nb);
     __m512 qx[kPairedBlocks][T][2];
     block_products<T, kPairedBlocks>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     for (int nb = 0; nb < kPairedBlocks; ++nb) add(b + nb, qx[nb]);
   }
   for (; b < blocks; ++b) {
-    read_ahead(qp, d, m, ahead + b);
+    read_ahead<kCoded>(qp, sc, ahead + b);
     __m512 qx[1][T][2];
     block_products<T, 1>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     add(b, qx[0]);
@@ -190,8 +198,9 @@ void pack_x(const at::Tensor& x, std::vector<uint32_t>& xp, std::vector<float>& 
 namespace kernels {
 
 // x [M <= 4, K] bf16 @ W.T for the Q4_1 weight given by `PanelBlocks.dot_pairs` (qpairs)
-// and the panels' scales and mins, N real outputs: bf16 [M, N] (entry_points.h: the fused
-// decode call runs it without the dispatcher).
+// and the panels' scales and mins (float32, or a Q4_K's codes and supers: q4_1_scales.h),
+// N real outputs: bf16 [M, N] (entry_points.h: the fused decode call runs it without the
+// dispatcher).
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
   const char* op = "q4_1_linear_bf16";
@@ -205,10 +214,7 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
               op, ": qpairs must be contiguous int32 [panels, K/32, 4, 32] (PanelBlocks.dot_pairs), got ",
               qpairs.scalar_type(), " ", qpairs.sizes());
   const int64_t panels = qpairs.size(0), K = qpairs.size(1) * kBlock, M = x.size(0);
-  for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == panels && t->size(1) == K / kBlock && t->size(2) == kPanel,
-                op, ": scales and mins must be contiguous float32 [panels, K/32, 32]");
+  const Q4_1Scales sc = Q4_1Scales::of(scales, mins, panels, K, op);
   TORCH_CHECK(x.size(1) == K, op, ": x has K = ", x.size(1), " but the weight has K = ", K);
   TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, op, ": N = ", N,
               " does not fill ", panels, " panels of 32 outputs");
@@ -218,8 +224,6 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
   static thread_local std::vector<float> sums;
   pack_x(x, xp, sums);
   const auto* qp = reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>());
-  const float* d = scales.const_data_ptr<float>();
-  const float* mn = mins.const_data_ptr<float>();
   c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   // ~64k weights per task at least, as quant_linear.cpp.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K));
@@ -229,8 +233,12 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       with_rows<kMaxRows>(M, [&](auto T) {
-        panel<decltype(T)::value>(qp, d, mn, K, p, xp_ptr, sums_ptr, out_ptr + p * kPanel, N,
-                                  cols);
+        if (sc.d != nullptr)
+          panel<decltype(T)::value, false>(qp, sc, K, p, xp_ptr, sums_ptr, out_ptr + p * kPanel,
+                                           N, cols);
+        else
+          panel<decltype(T)::value, true>(qp, sc, K, p, xp_ptr, sums_ptr, out_ptr + p * kPanel,
+                                          N, cols);
       });
     }
   });

@@ -1,0 +1,101 @@
+"""A Q4_K's own scale codes in place of float32 scales and mins (`q4_1_scales.h`): the
+load's rewrite writes them beside the float32 ones, the bf16 dot kernel and the AMX tile
+kernel give from them bit for bit what they give from the float32 layout, and a layer
+whose every call takes those kernels keeps the codes alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.cpu.capabilities import CpuCapabilities
+from gpu.cpu.linear import PackedLinear
+from gpu.cpu.panel_blocks import PanelBlocks
+from tests.test_gguf_types import KERNELS, random_blocks, rewritten
+
+CAPS = CpuCapabilities.of(KERNELS) if KERNELS is not None else None
+needs_dot = pytest.mark.skipif(CAPS is None or not CAPS.has("q4_1_linear_bf16"),
+                               reason="needs the AVX512-BF16 dot kernel")
+
+
+def read_q4_k(n: int, k: int, seed: int) -> tuple[PanelBlocks, np.ndarray]:
+    """Random Q4_K rows read into panels by the load's op, with the pairs and the codes."""
+    raw = random_blocks("Q4_K", n, k, seed=seed)
+    panels = -(-n // 32)
+    levels = torch.empty(panels, k // 32, 16, 32, dtype=torch.uint8)
+    scales, mins = torch.empty(panels, k // 32, 32), torch.empty(panels, k // 32, 32)
+    pairs = torch.empty(panels, k // 32, 4, 32, dtype=torch.int32)
+    codes = (torch.empty(panels, k // 32, 2, 32, dtype=torch.uint8),
+             torch.empty(panels, k // 256, 2, 32))
+    KERNELS.gguf_repack_panels_("Q4_K", torch.from_numpy(raw), None,
+                                levels.view(panels, -1, 32), scales, mins, pairs, *codes, 0)
+    return PanelBlocks("q4_1", n, (levels, scales, mins), pairs, codes), raw
+
+
+@pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+def test_codes_times_their_super_blocks_are_the_float32_scales():
+    blocks, raw = read_q4_k(40, 512, seed=1)
+    codes, supers = blocks.codes
+    levels, scales, mins = blocks.tensors
+    # Each block of 32 takes its super-block's (of 256) d and -dmin.
+    d = supers[:, :, 0].repeat_interleave(8, dim=1)
+    dmin = supers[:, :, 1].repeat_interleave(8, dim=1)
+    assert torch.equal(d * codes[:, :, 0].float(), scales)
+    assert torch.equal(dmin * codes[:, :, 1].float(), mins)
+    assert codes.max() < 64 and not codes[1, :, :, 8:].any()  # 6 bits; the padding rows
+    # And they are the row-order rewrite's values, laid out.
+    reference = PanelBlocks.of(rewritten("Q4_K", raw, 40))
+    assert all(torch.equal(a, b) for a, b in zip(blocks.tensors, reference.tensors, strict=True))
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_dot_kernel_reads_codes_as_it_reads_float32(rows):
+    blocks, _ = read_q4_k(72, 768, seed=rows)
+    x = torch.randn(rows, 768).bfloat16()
+    f32 = KERNELS.q4_1_linear_bf16(x, blocks.dot, *blocks.tensors[1:], 72)
+    coded = KERNELS.q4_1_linear_bf16(x, blocks.dot, *blocks.codes, 72)
+    assert torch.equal(f32, coded)
+
+
+@pytest.mark.skipif(CAPS is None or not CAPS.amx, reason="needs AMX")
+@pytest.mark.parametrize("rows", [4, 17, 40])
+def test_the_amx_kernel_reads_codes_as_it_reads_float32(rows):
+    blocks, _ = read_q4_k(72, 768, seed=rows)
+    x = torch.randn(rows, 768).bfloat16()
+    f32 = KERNELS.q4_1_linear_amx(x, blocks.dot, *blocks.tensors[1:], 72)
+    coded = KERNELS.q4_1_linear_amx(x, blocks.dot, *blocks.codes, 72)
+    assert torch.equal(f32, coded)
+
+
+@needs_dot
+def test_codes_that_do_not_fit_are_refused():
+    blocks, _ = read_q4_k(32, 512, seed=3)
+    x = torch.randn(1, 512).bfloat16()
+    codes, supers = blocks.codes
+    with pytest.raises(RuntimeError, match="supers must be contiguous float32"):
+        KERNELS.q4_1_linear_bf16(x, blocks.dot, codes, supers[:, :1].contiguous(), 32)
+
+
+@needs_dot
+def test_a_layer_on_the_paired_kernels_alone_keeps_the_codes_alone():
+    """bf16 on AMX, blocks alone: every call reads the pairs and the codes, so the layer
+    holds 0.5 + 0.094 bytes a weight (no panel levels, no float32 scales); elsewhere the
+    float32 kernel's panels stay beside them and the dot kernel still reads the codes."""
+    n, k = 64, 512
+    blocks, raw = read_q4_k(n, k, seed=4)
+    layer = PackedLinear(torch.empty(n, k, dtype=torch.bfloat16), quantized=blocks,
+                         kernels=CAPS, amx=True, blocks_only=True)
+    assert layer._dot_args[1] is blocks.codes[0] and layer._dot_args[2] is blocks.codes[1]
+    if CAPS.amx:
+        assert layer._amx_args[1:3] == layer._dot_args[1:3]
+        assert all(t.numel() == 0 for t in layer.quantized.tensors)
+        assert layer.nbytes == layer.read_bytes == n * k * (0.5 + 3 / 32)
+    else:
+        assert layer.quantized.tensors[1] is blocks.tensors[1]
+    x = torch.randn(6, k).bfloat16()
+    want = x.float() @ rewritten("Q4_K", raw, n).dequantize().T
+    for rows in (1, 6):
+        torch.testing.assert_close(layer(x[:rows]).float(), want[:rows],
+                                   atol=1e-2 * want.abs().max().item(), rtol=1e-2)
