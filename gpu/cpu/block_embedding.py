@@ -32,8 +32,8 @@ class BlockEmbedding(nn.Module):
     @staticmethod
     def of(blocks: PanelBlocks | None, kernels, dtype: torch.dtype) -> BlockEmbedding | None:
         """The lookup from `blocks` (a tied LM head's, or the embedding's own), or None
-        where they hold no levels (a head whose dot and AMX kernels read their own
-        copies) or the kernels have no unpack op for them."""
+        where they hold no levels (a head whose dot and AMX kernels read them regrouped,
+        `dot_pairs`) or the kernels have no unpack op for them."""
         if blocks is None or not blocks.tensors[0].numel() or kernels is None:
             return None
         unpack = CpuCapabilities.of(kernels).op(f"{blocks.format}_unpack")

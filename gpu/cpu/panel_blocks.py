@@ -64,9 +64,9 @@ class PanelBlocks:
             return None
         n, k = sum(s.out_features for s in sources), sources[0].in_features
         panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
-        levels_ = torch.empty((panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK,
-                               PANEL) if levels else 0,
-                              dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
+        panel_levels = torch.empty(
+            (panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK, PANEL) if levels else 0,
+            dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
         pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
             if dot and fmt == "q4_1" else None
         coded = pairs is not None and all(s.type_name == "Q4_K" for s in sources)
@@ -80,12 +80,12 @@ class PanelBlocks:
         for name, src in zip(names, sources, strict=True):
             with blocks.mapped(name) as (raw, rows):
                 op(src.type_name, torch.from_numpy(raw), None if rows is None
-                   else torch.from_numpy(rows), levels_.view(panels, -1, PANEL)
+                   else torch.from_numpy(rows), panel_levels.view(panels, -1, PANEL)
                    if levels else None, scales if floats else None,
                    mins if floats else None, pairs, *codes, row0)
             row0 += src.out_features
-        return PanelBlocks(fmt, n, (levels_, scales) if mins is None else (levels_, scales, mins),
-                           pairs, codes if coded else None)
+        kept = (panel_levels, scales) if mins is None else (panel_levels, scales, mins)
+        return PanelBlocks(fmt, n, kept, pairs, codes if coded else None)
 
     @staticmethod
     def of(q: QuantizedWeight | PanelBlocks) -> PanelBlocks:
@@ -152,7 +152,6 @@ class PanelBlocks:
         """Bytes the panels hold (not counting `dot`), with the codes."""
         codes = 0 if self.codes is None else sum(t.nbytes for t in self.codes)
         return sum(t.numel() * t.element_size() for t in self.tensors) + codes
-
 
 
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:
