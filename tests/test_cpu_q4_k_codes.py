@@ -49,6 +49,21 @@ def test_codes_times_their_super_blocks_are_the_float32_scales():
     assert all(torch.equal(a, b) for a, b in zip(blocks.tensors, reference.tensors, strict=True))
 
 
+@pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
+def test_pairs_written_without_panel_levels_are_those_written_beside_them():
+    """A layer that keeps no panel levels gets its pairs straight from the file's bytes
+    (`q4_k_pairs`), rows reordered as llama's q and k are, the last panel partial."""
+    n, k = 72, 512
+    with_levels, raw = read_q4_k(n, k, seed=7)
+    order = np.random.default_rng(8).permutation(n)  # source row of each output row
+    pairs = torch.full_like(with_levels.dot, 7)
+    codes = tuple(torch.full_like(t, 7) for t in with_levels.codes)
+    KERNELS.gguf_repack_panels_("Q4_K", torch.from_numpy(raw[np.argsort(order)]),
+                                torch.from_numpy(order), None, None, None, pairs, *codes, 0)
+    assert torch.equal(pairs, with_levels.dot)
+    assert all(torch.equal(a, b) for a, b in zip(codes, with_levels.codes, strict=True))
+
+
 @needs_dot
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_the_dot_kernel_reads_codes_as_it_reads_float32(rows):

@@ -83,13 +83,38 @@ void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
   }
 }
 
+// Four levels (bytes 0-15) as one 16-bit group of nibbles, byte i in nibble i.
+inline uint32_t pack_nibbles(uint32_t bytes) {
+  bytes = (bytes | (bytes >> 4)) & 0x00FF00FFu;
+  return (bytes | (bytes >> 8)) & 0xFFFFu;
+}
+
+// Q4_K's levels of super-block b straight into the dot kernel's pairs (quant_linear_bf16.cpp
+// `q4_1_dot_pairs`: per block and chunk c, k = 4c + i + 16 in the low half and k = 4c + i
+// in the high one, nibble i), one output's dword every `stride` dwords: for a layer that
+// keeps no panel levels, with no nibble-pair bytes in between.
+void q4_k_pairs(const uint8_t* x, int64_t b, uint32_t* out, int64_t stride) {
+  const uint8_t* qs = x + 16;
+  for (int s = 0; s < 8; ++s) {  // sub-block s = 2 * run + half: run's nibbles of one half
+    const int run = s / 2, shift = 4 * (s % 2);
+    for (int c = 0; c < 4; ++c) {
+      uint32_t first, second;  // levels k = 4c .. 4c + 3 and k = 4c + 16 .. 4c + 19
+      std::memcpy(&first, qs + 32 * run + 4 * c, 4);
+      std::memcpy(&second, qs + 32 * run + 4 * c + 16, 4);
+      out[((b * 8 + s) * 4 + c) * stride] = pack_nibbles((second >> shift) & 0x0F0F0F0Fu) |
+                                            pack_nibbles((first >> shift) & 0x0F0F0F0Fu) << 16;
+    }
+  }
+}
+
+// Q4_K: levels into r.q where it is given (else only the scales and codes).
 void q4_k(const uint8_t* x, Row r, int64_t b) {
   const float d = f16(x), dmin = f16(x + 2);
   const uint8_t* qs = x + 16;
   for (int s = 0; s < 8; ++s) {  // sub-block s = 2 * run + half: run's nibbles of one half
     const int run = s / 2, shift = 4 * (s % 2);
-    uint8_t* out = r.q + (b * 8 + s) * 16;
-    for (int j = 0; j < 16; ++j)
+    uint8_t* out = r.q ? r.q + (b * 8 + s) * 16 : nullptr;
+    for (int j = 0; j < 16 && out; ++j)
       out[j] = ((qs[32 * run + j] >> shift) & 0x0F) |
                (((qs[32 * run + 16 + j] >> shift) & 0x0F) << 4);
     int sc, mn;
@@ -324,11 +349,16 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
       const int64_t p = row0 / 32 + local;
       for (int64_t n = 0; n < 32; ++n) {
         const int64_t r = local * 32 + n;
+        // A Q4_K row whose layer keeps only the pairs: written straight from the file.
+        const bool direct = r < N && dp && !lp && type_name == "Q4_K";
         if (r < N) {
           const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
-          const Row out{q.data(), d.data(), nibbles ? m.data() : nullptr,
+          const Row out{direct ? nullptr : q.data(), d.data(), nibbles ? m.data() : nullptr,
                         cp ? c.data() : nullptr, cp ? u.data() : nullptr};
-          for (int64_t b = 0; b < blocks; ++b) type.rewrite(row + b * type.bytes, out, b);
+          for (int64_t b = 0; b < blocks; ++b) {
+            type.rewrite(row + b * type.bytes, out, b);
+            if (direct) q4_k_pairs(row + b * type.bytes, b, dp + p * (K / 32) * 4 * 32 + n, 32);
+          }
         } else {  // the last panel's filling rows
           std::fill(q.begin(), q.end(), 0);
           std::fill(d.begin(), d.end(), 0.0f);
@@ -346,7 +376,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
           for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
         if (mp)
           for (int64_t i = 0; i < S; ++i) mp[(p * S + i) * 32 + n] = m[i];
-        if (dp)
+        if (dp && !direct)
           for (int64_t b = 0; b < K / 32; ++b)
             for (int c = 0; c < 4; ++c) {  // k = 4c + i + 16 in the low half, k = 4c + i high
               uint32_t low = 0, high = 0;
