@@ -289,6 +289,44 @@ std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tens
   return {q, d, m};
 }
 
+namespace {
+
+// 8 rows of 8 bytes transposed in place: x[i] holds row i (byte j in bits 8j..8j+7) and
+// ends holding byte i of every row. Three rounds of swapping the off-diagonal halves
+// (32-bit, 16-bit, then 8-bit blocks), as in Hacker's Delight.
+inline void transpose8x8(uint64_t x[8]) {
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t t = ((x[i] >> 32) ^ x[i + 4]) & 0x00000000FFFFFFFFull;
+    x[i] ^= t << 32;
+    x[i + 4] ^= t;
+  }
+  for (int i : {0, 1, 4, 5}) {
+    const uint64_t t = ((x[i] >> 16) ^ x[i + 2]) & 0x0000FFFF0000FFFFull;
+    x[i] ^= t << 16;
+    x[i + 2] ^= t;
+  }
+  for (int i : {0, 2, 4, 6}) {
+    const uint64_t t = ((x[i] >> 8) ^ x[i + 1]) & 0x00FF00FF00FF00FFull;
+    x[i] ^= t << 8;
+    x[i + 1] ^= t;
+  }
+}
+
+// A panel's 32 rows of `cols` level bytes (row-major) into the panel layout, byte c of
+// row n at panel[c * 32 + n]: eight bytes a store, where one store a byte was half a
+// Q6_K tensor's rewrite.
+void transpose_panel(const uint8_t* rows, int64_t cols, uint8_t* panel) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 8)
+    for (int64_t n0 = 0; n0 < 32; n0 += 8) {
+      uint64_t x[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&x[i], rows + (n0 + i) * cols + c0, 8);
+      transpose8x8(x);
+      for (int j = 0; j < 8; ++j) std::memcpy(panel + (c0 + j) * 32 + n0, &x[j], 8);
+    }
+}
+
+}  // namespace
+
 // The same rewrite written straight into the kernels' panel layout (gpu/cpu/
 // panel_blocks.py `PanelBlocks`: 32 output rows per panel, each level byte and scale
 // column transposed so one load holds a column's 32 outputs), at global rows row0 ..
@@ -342,36 +380,37 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   const int64_t C = K / 32 * 2, U = K / kQK * 2;  // a row's codes and supers
   const int64_t panels = (N + 31) / 32;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> q(cols);
-    std::vector<float> d(S), m(nibbles ? S : 0), u(cp ? U : 0);
-    std::vector<uint8_t> c(cp ? C : 0);
+    // The levels of a panel's 32 rows, row by row, where they are kept (transposed into
+    // the panel at its end), else of the one row in hand.
+    std::vector<uint8_t> rows_q(lp ? 32 * cols : cols);
+    std::vector<float> d(S), m(nibbles ? S : 0), row_supers(cp ? U : 0);
+    std::vector<uint8_t> row_codes(cp ? C : 0);
     for (int64_t local = begin; local < end; ++local) {
       const int64_t p = row0 / 32 + local;
       for (int64_t n = 0; n < 32; ++n) {
         const int64_t r = local * 32 + n;
+        uint8_t* q = rows_q.data() + (lp ? n * cols : 0);
         // A Q4_K row whose layer keeps only the pairs: written straight from the file.
         const bool direct = r < N && dp && !lp && type_name == "Q4_K";
         if (r < N) {
           const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
-          const Row out{direct ? nullptr : q.data(), d.data(), nibbles ? m.data() : nullptr,
-                        cp ? c.data() : nullptr, cp ? u.data() : nullptr};
+          const Row out{direct ? nullptr : q, d.data(), nibbles ? m.data() : nullptr,
+                        cp ? row_codes.data() : nullptr, cp ? row_supers.data() : nullptr};
           for (int64_t b = 0; b < blocks; ++b) {
             type.rewrite(row + b * type.bytes, out, b);
             if (direct) q4_k_pairs(row + b * type.bytes, b, dp + p * (K / 32) * 4 * 32 + n, 32);
           }
         } else {  // the last panel's filling rows
-          std::fill(q.begin(), q.end(), 0);
+          std::fill(q, q + cols, 0);
           std::fill(d.begin(), d.end(), 0.0f);
           std::fill(m.begin(), m.end(), 0.0f);
-          std::fill(c.begin(), c.end(), 0);
-          std::fill(u.begin(), u.end(), 0.0f);
+          std::fill(row_codes.begin(), row_codes.end(), 0);
+          std::fill(row_supers.begin(), row_supers.end(), 0.0f);
         }
         if (cp) {
-          for (int64_t i = 0; i < C; ++i) cp[(p * C + i) * 32 + n] = c[i];
-          for (int64_t i = 0; i < U; ++i) up[(p * U + i) * 32 + n] = u[i];
+          for (int64_t i = 0; i < C; ++i) cp[(p * C + i) * 32 + n] = row_codes[i];
+          for (int64_t i = 0; i < U; ++i) up[(p * U + i) * 32 + n] = row_supers[i];
         }
-        if (lp)
-          for (int64_t c = 0; c < cols; ++c) lp[(p * cols + c) * 32 + n] = q[c];
         if (sp)
           for (int64_t i = 0; i < S; ++i) sp[(p * S + i) * 32 + n] = d[i];
         if (mp)
@@ -388,6 +427,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
               dp[((p * (K / 32) + b) * 4 + c) * 32 + n] = low | (high << 16);
             }
       }
+      if (lp) transpose_panel(rows_q.data(), cols, lp + p * cols * 32);
     }
   });
 }
