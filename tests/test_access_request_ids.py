@@ -168,6 +168,18 @@ def test_operator_routes_want_the_admin_key(keyed):
     assert r.status_code == 403 and r.json()["error"]["param"] == "abort_all"
 
 
+@pytest.mark.parametrize("scheme,ok", [("Bearer", True), ("bearer", True), ("BEARER", True),
+                                       ("Basic", False), ("", False)])
+def test_the_bearer_scheme_is_case_insensitive(keyed, scheme, ok):
+    """RFC 9110: an auth scheme matches whatever its case (clients send `bearer`); the
+    key itself is compared exactly, and another scheme carrying the key is refused."""
+    for value in (f"{scheme} client-key".strip(), f"{scheme}  client-key".strip()):
+        got = httpx.get(keyed.url + "/v1/models", headers={"Authorization": value})
+        assert got.status_code == (200 if ok else 401), (value, got.text)
+    wrong = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "bearer CLIENT-KEY"})
+    assert wrong.status_code == 401
+
+
 def test_the_admin_aborts_by_a_label_and_aborts_all(keyed):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:

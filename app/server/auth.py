@@ -9,8 +9,9 @@ wrong one is a 401, the client key a 403. Without it, operator routes take the c
 key as before, but the cross-client aborts are refused: only an admin key grants them.
 `/health` and `/metrics` stay open (probes and scrapers carry no key).
 
-Keys come as `Authorization: Bearer KEY`, or on Anthropic's routes as `x-api-key: KEY`
-(what its clients send). Keys are compared in constant time.
+Keys come as `Authorization: Bearer KEY` (the scheme in any case, as RFC 9110 has it:
+clients send `bearer` too), or on Anthropic's routes as `x-api-key: KEY` (what its
+clients send). Keys are compared in constant time.
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ from app.config import ServerSettings
 from app.server.errors import APIError
 
 
-def _matches(given: str, key: str | None) -> bool:
-    return bool(key) and hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+def _bearer_token(header: str) -> str:
+    """The credentials of an `Authorization` header of the Bearer scheme, "" for any
+    other: the scheme is case-insensitive, and one or more spaces follow it."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _matches(token: str, key: str | None) -> bool:
+    return bool(key) and bool(token) and hmac.compare_digest(token.encode(), key.encode())
 
 
 def authorize(request: Request, settings: ServerSettings, operator: bool = False,
               key_header: str | None = None) -> None:
     """Raise the 401/403 this request earns; note on it whether it carries the admin key.
     `key_header`: a header that may carry the bare key instead (Anthropic's `x-api-key`)."""
-    given = request.headers.get("authorization", "")
-    if not given and key_header and request.headers.get(key_header):
-        given = f"Bearer {request.headers[key_header]}"
+    header = request.headers.get("authorization", "")
+    given = _bearer_token(header)
+    if not header and key_header and request.headers.get(key_header):
+        given = request.headers[key_header].strip()
     admin = _matches(given, settings.admin_api_key)
     request.state.admin = admin
     if admin:
