@@ -175,12 +175,14 @@ def test_bad_adapters_are_400_and_the_server_goes_on(server, built, tmp_path):
              ({"lora_name": "x", "lora_path": str(adapters / "missing")}, "not a directory"),
              ({"lora_name": "a1", "lora_path": str(adapters / "a2")}, "already been loaded"),
              ({"lora_name": "tiny", "lora_path": str(adapters / "a2")}, "base model"),
-             ({"lora_name": "x"}, "lora_path")]
+             ({"lora_name": "x"}, "lora_path"),
+             ({"lora_name": "x", "lora_path": str(adapters / "a2") + "\x00/etc"}, "NUL byte")]
     for body, why in cases:
         reply = httpx.post(server.url + "/v1/load_lora_adapter", json=body,
                            headers=headers(ADMIN))
         assert reply.status_code == 400, (body, reply.text)
         assert why in reply.json()["error"]["message"], reply.text
+        assert reply.json()["error"]["param"] in ("lora_path", "lora_name"), reply.text
     reply = asyncio.run(complete(server.url, prompt, "a2"))
     assert reply.json()["choices"][0]["text"] == text_of(expected["a2"], tok)
 

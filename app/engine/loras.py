@@ -81,6 +81,8 @@ class LoRARegistry:
         """The resolved path, if it lies inside an allowed directory (400 otherwise)."""
         if not isinstance(path, str) or not path:
             raise InvalidParameter("lora_path", "lora_path must be a non-empty string")
+        if "\x00" in path:  # no file has such a name: the OS would refuse it outright
+            raise InvalidParameter("lora_path", "lora_path must not contain a NUL byte")
         real = os.path.realpath(path)
         if not self.allowed_dirs:
             raise InvalidParameter("lora_path", "loading adapters at run time is off: start "
