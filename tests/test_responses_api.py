@@ -42,6 +42,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+OWNER = {"Authorization": "Bearer unused"}  # the SDK client's key: the tenant it stores as
+
+
 def post(srv, body: dict) -> httpx.Response:
     return httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
 
@@ -161,10 +164,29 @@ def test_the_store_is_bounded_and_get_delete_work(server, client):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
     got = client.responses.retrieve(ids[3])
     assert got.id == ids[3] and got.metadata == {"turn": "3"}
-    deleted = httpx.delete(server.url + f"/v1/responses/{ids[3]}").json()
+    deleted = httpx.delete(server.url + f"/v1/responses/{ids[3]}", headers=OWNER).json()
     assert deleted == {"id": ids[3], "object": "response.deleted", "deleted": True}
-    assert httpx.delete(server.url + f"/v1/responses/{ids[3]}").status_code == 404
+    assert httpx.delete(server.url + f"/v1/responses/{ids[3]}", headers=OWNER).status_code == 404
     assert httpx.get(server.url + f"/v1/responses/{ids[2]}?stream=true").status_code == 400
+
+
+def test_a_stored_response_belongs_to_the_key_that_made_it(server, client):
+    """Another key (or none) cannot read, continue or delete it: a 404, as for an id
+    that never was; its owner still can, whatever the case of its Bearer scheme."""
+    made = client.responses.create(model="tiny", input="a secret", max_output_tokens=2)
+    url = server.url + f"/v1/responses/{made.id}"
+    for other in ({"Authorization": "Bearer someone-else"}, {}):
+        assert httpx.get(url, headers=other).status_code == 404
+        assert httpx.delete(url, headers=other).status_code == 404
+        chained = httpx.post(server.url + "/v1/responses", headers=other, timeout=60, json={
+            "model": "tiny", "input": "go on", "previous_response_id": made.id,
+            "max_output_tokens": 2})
+        assert chained.status_code == 404, chained.text
+        assert chained.json()["error"]["param"] == "previous_response_id"
+    assert httpx.get(url, headers={"Authorization": "bearer unused"}).json()["id"] == made.id
+    assert client.responses.create(model="tiny", input="go on", previous_response_id=made.id,
+                                   max_output_tokens=2).previous_response_id == made.id
+    assert httpx.delete(url, headers=OWNER).status_code == 200
 
 
 def test_the_store_bounds_bytes_and_entries():

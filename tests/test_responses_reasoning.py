@@ -6,6 +6,8 @@ tests/test_reasoning.py."""
 
 from __future__ import annotations
 
+import hashlib
+
 import openai
 import pytest
 
@@ -55,7 +57,8 @@ def test_the_thinking_is_a_reasoning_item_streamed_and_not(server, client):
     assert final.output[0].content[0].text == whole.output[0].content[0].text
     assert final.output_text == whole.output_text
     # The next turn gets the thinking back as the assistant turn's reasoning_content.
-    stored = server.app.state.response_store.get(whole.id)
+    owner = hashlib.sha256(b"unused").hexdigest()  # the client's key, as the store keys it
+    stored = server.app.state.response_store.get(whole.id, owner)
     assert stored.conversation[-1]["reasoning_content"] == "two plus two\nis four"
     assert stored.conversation[-1]["content"] == "The answer is 4."
     assert_idle_and_clean(server)

@@ -16,6 +16,7 @@ clients send). Keys are compared in constant time.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.requests import Request
@@ -57,6 +58,15 @@ def authorize(request: Request, settings: ServerSettings, operator: bool = False
     if settings.api_key and not client:
         raise APIError(401, "missing or invalid API key", None, "authentication_error",
                        "invalid_api_key")
+
+
+def tenant_of(request: Request) -> str:
+    """Whose state this request may see (`docs/robustness.md`, tenants): a digest of the
+    key it presented (its Bearer token, else its `x-api-key`), "" for none. The raw key
+    is never kept."""
+    header = request.headers.get("authorization", "")
+    key = _bearer_token(header) if header else request.headers.get("x-api-key", "").strip()
+    return hashlib.sha256(key.encode()).hexdigest() if key else ""
 
 
 def is_admin(request: Request) -> bool:

@@ -28,6 +28,7 @@ from app.engine.errors import InvalidParameter
 from app.engine.grammar import StructuredOutput
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
+from app.server.auth import tenant_of
 from app.server.body_checks import _at_most, off_loop_if_large
 from app.server.errors import APIError, api_error, parse
 from app.server.logprobs import chat_logprobs, output_entries
@@ -70,7 +71,7 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
     model = check_model(request, req.model)
     earlier: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        stored = store_of(request).get(req.previous_response_id)
+        stored = store_of(request).get(req.previous_response_id, tenant_of(request))
         if stored is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         earlier = stored.conversation
@@ -152,7 +153,7 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
                             built, out)
         if req.store:
             history = conversation + to_messages(_as_items(built.output), conversation)
-            store_of(request).put(done, history)
+            store_of(request).put(done, history, tenant_of(request))
         return done
 
     if not req.stream:
@@ -199,7 +200,7 @@ async def create(request: Request, body: dict) -> JSONResponse | EventSourceResp
 async def retrieve(request: Request, body: None) -> JSONResponse:
     _no_query(request)
     response_id = request.path_params["response_id"]
-    stored = store_of(request).get(response_id)
+    stored = store_of(request).get(response_id, tenant_of(request))
     if stored is None:
         raise not_found(response_id)
     return JSONResponse(stored.response)
@@ -208,7 +209,7 @@ async def retrieve(request: Request, body: None) -> JSONResponse:
 async def delete(request: Request, body: None) -> JSONResponse:
     _no_query(request)
     response_id = request.path_params["response_id"]
-    if not store_of(request).delete(response_id):
+    if not store_of(request).delete(response_id, tenant_of(request)):
         raise not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
