@@ -13,6 +13,8 @@ import contextlib
 import gc
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -332,8 +334,12 @@ class DrainingServer(uvicorn.Server):
     First signal: new requests get 503, requests in flight may finish for
     `shutdown_timeout` seconds, the rest end with an error event; exit code 0.
     Second signal: the open streams end with an error event at once, then the
-    process exits with code 1 (the drain was cut short).
+    process exits with code 1 (the drain was cut short). While the model loads there is
+    nothing to drain, and a load cannot be interrupted from its thread: the process
+    exits with code 1 if the load has not ended within `LOADING_EXIT_S` seconds.
     """
+
+    LOADING_EXIT_S = 5.0
 
     def __init__(self, config: uvicorn.Config, st: State):
         super().__init__(config)
@@ -343,7 +349,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame):  # runs in the loop's thread
         st = self.st
         if st.engine is None:  # still loading: nothing to drain
+            log.info("stopping while the model loads")
             self._exit()
+            timer = threading.Timer(self.LOADING_EXIT_S, os._exit, args=(1,))
+            timer.daemon = True  # a load that ends first lets the process exit as usual
+            timer.start()
             return
         loop = asyncio.get_event_loop()
         if st.draining:

@@ -18,16 +18,28 @@ path and the vector exp's with its scalar twin need; explicit FMA intrinsics sta
 The kernels are a speed-up, never a requirement: without a compiler (or ninja), or
 when the build fails, the caller keeps the plain torch path and the reason is logged
 once.
+
+Faults a machine leaves behind (`docs/robustness.md`, start-up faults): builds run under
+an flock on `ridgeline.lock` in the build directory, which the kernel drops when its
+holder dies, so a build killed half-way leaves nothing that blocks the next one (torch's
+own lock file, which only a live holder removes, is stale by then and is deleted); a
+wait for another process's build is bounded (`RIDGELINE_KERNEL_BUILD_WAIT_S`, 600 s) and
+logged. A library is loaded only when it matches the digest written beside it after its
+build (`NAME.so.sha256`): a truncated or foreign file is rebuilt, never mapped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,6 +104,55 @@ def _loaded():
     return ops
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def intact(library: Path) -> bool:
+    """Whether `library` is the file its build wrote (its digest beside it matches)."""
+    stamp = library.with_name(library.name + ".sha256")
+    try:
+        return library.is_file() and stamp.read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """This process alone builds in `build_dir` while inside: an flock, released by the
+    kernel if the holder dies. Waits at most `RIDGELINE_KERNEL_BUILD_WAIT_S` for another
+    holder (TimeoutError after)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    wait = float(os.environ.get("RIDGELINE_KERNEL_BUILD_WAIT_S", "600"))
+    with open(build_dir / "ridgeline.lock", "a+") as f:
+        deadline, logged = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {f.name} for {wait:.0f} s "
+                                       "(RIDGELINE_KERNEL_BUILD_WAIT_S)") from None
+                if not logged:
+                    f.seek(0)
+                    log.warning("waiting for another process's kernel build (%s) in %s",
+                             f.read().strip() or "pid unknown", build_dir)
+                    logged = True
+                time.sleep(0.2)
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_kernels() -> KernelOps | None:
     """The library's ops (`torch.ops.ridgeline_cpu` as `KernelOps`) once built and loaded,
@@ -100,24 +161,35 @@ def cpu_kernels() -> KernelOps | None:
     build_dir = cache_dir() / name
     library = build_dir / f"{name}.so"
     try:
-        # Built by an earlier process, and not being rebuilt by a concurrent one (torch's
-        # build holds a lock file in the directory until the library is complete).
-        if library.is_file() and not (build_dir / "lock").exists():
-            torch.ops.load_library(str(library))
-            return _loaded()
-        from torch.utils import cpp_extension
-
-        cpp_extension.verify_ninja_availability()
-        log.info("building the C++ CPU kernels into %s (once per machine; tens of seconds)",
-                 build_dir)
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
-            verbose=False,
-        )
+        if not intact(library):  # else built and checked by an earlier process
+            with _build_lock(build_dir):
+                if not intact(library):
+                    _build(name, build_dir, library)
+        torch.ops.load_library(str(library))
         return _loaded()
     except Exception as exc:  # no compiler, no ninja, a failed build: keep plain torch
         log.warning("C++ CPU kernels unavailable, using the torch path: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc))
         return None
+
+
+def _build(name: str, build_dir: Path, library: Path) -> None:
+    """Compile the library (under `_build_lock`), then write its digest beside it."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.verify_ninja_availability()
+    if library.exists():
+        log.warning("rebuilding %s: it does not match the digest of its build", library)
+        library.unlink()
+    # torch's own lock file: under our lock, only a build that died leaves one.
+    (build_dir / "lock").unlink(missing_ok=True)
+    log.info("building the C++ CPU kernels into %s (once per machine; tens of seconds)",
+             build_dir)
+    cpp_extension.load(
+        name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
+        extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+        verbose=False,
+    )
+    stamp = library.with_name(library.name + ".sha256")
+    stamp.with_suffix(".tmp").write_text(_sha256(library))
+    stamp.with_suffix(".tmp").replace(stamp)
