@@ -201,6 +201,26 @@ def test_prefix_cache_metrics_stats_line_health_and_reset(server, caplog):
     assert_idle_and_clean(server)
 
 
+def test_prompt_logprobs_answers_are_bounded(server, monkeypatch):
+    """The answer's entries (prompt tokens x (k + 1)) are capped: over the cap a 400
+    naming prompt_logprobs before anything runs; at it, the answer, built off the loop."""
+    from app.engine import sampling_params
+
+    monkeypatch.setattr(sampling_params, "MAX_PROMPT_LOGPROB_ENTRIES", 50)
+    ids = list(range(100, 110))  # 10 tokens
+    over = httpx.post(server.url + "/v1/completions", json={
+        "prompt": ids, "max_tokens": 1, "prompt_logprobs": 5})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "prompt_logprobs"
+    assert "60 entries" in over.json()["error"]["message"]
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 1,
+        "prompt_logprobs": 20})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+    at = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 4})
+    assert len(at["choices"][0]["prompt_logprobs"]) == 10
+    assert_idle_and_clean(server)
+
+
 def test_prompt_logprobs_never_skip_computation_through_the_cache(server, hf_tiny):
     ids = list(range(300, 340))
     post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1})  # now cached

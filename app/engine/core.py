@@ -32,7 +32,7 @@ from app.engine.output_processor import OutputProcessor
 from app.engine.outputs import RequestOutput, StepOutputs, StepStats
 from app.engine.plan import resolve_max_model_len
 from app.engine.request import Request, RequestSLO, RequestStatus
-from app.engine.sampling_params import SamplingParams, out_of_range
+from app.engine.sampling_params import SamplingParams, check_prompt_logprobs, out_of_range
 from app.engine.sampling_rows import sampled_rows, sampling_row, step_rows
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.spec.draft_model import DraftModelProposer, draft_model_dir
@@ -163,6 +163,7 @@ class EngineCore:
                 f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 f"(room is needed for at least one generated token)",
             )
+        check_prompt_logprobs(params, n)
         if n + params.max_tokens > self.max_model_len:
             raise InvalidParameter(
                 "max_tokens",

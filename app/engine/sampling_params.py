@@ -38,6 +38,9 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# prompt_logprobs' entries in one answer (prompt tokens x (k + 1)): ~30 MB of JSON, built
+# off the event loop; a 100k-token prompt at k = 20 would be ~2M entries, ~90 MB.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 MAX_N = 64  # choices per request; each is a sequence in the batch
 MAX_LOGIT_BIAS = 1024
 
@@ -173,3 +176,14 @@ def out_of_range(values: Mapping[str, Any]) -> dict[str, str]:
         except InvalidParameter as e:
             refused[name] = str(e)
     return refused
+
+
+def check_prompt_logprobs(params: SamplingParams, prompt_tokens: int) -> None:
+    """The answer's prompt_logprobs (each prompt position's token and its top k) within
+    `MAX_PROMPT_LOGPROB_ENTRIES`: 400 naming the field otherwise."""
+    k = params.prompt_logprobs
+    if k is not None and prompt_tokens * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidParameter(
+            "prompt_logprobs", f"prompt_logprobs={k} on a {prompt_tokens}-token prompt asks for "
+            f"{prompt_tokens * (k + 1)} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} are "
+            "answered (fewer per position, or a shorter prompt)")

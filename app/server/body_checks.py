@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from app.config import ServerSettings
 from app.server.errors import APIError
@@ -65,6 +66,14 @@ async def off_loop_if_large(request: Request, work: Callable[[], T]) -> T:
     if getattr(request.state, "body_entries", 0) < OFF_LOOP_ENTRIES:
         return work()
     return await asyncio.to_thread(work)
+
+
+async def answer(build: Callable[[], dict], large: bool) -> JSONResponse:
+    """The JSON answer `build()` makes, built and serialised on a thread where it can be
+    large (prompt_logprobs: up to `MAX_PROMPT_LOGPROB_ENTRIES` entries), else here."""
+    if not large:
+        return JSONResponse(build())
+    return await asyncio.to_thread(lambda: JSONResponse(build()))
 
 
 def _no_request_template(body: dict) -> None:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
-from app.server.body_checks import off_loop_if_large
+from app.server.body_checks import answer, off_loop_if_large
 from app.server.errors import APIError, parse
 from app.server.logprobs import chat_logprobs, output_entries, vllm_prompt_logprobs
 from app.server.openai import (
@@ -53,7 +53,8 @@ async def chat_completions(request: Request, body: dict) -> JSONResponse | Event
                         req.request_id, whole_answer=not req.stream and req.max_tokens is not None)
     if req.stream:
         return sse(chat_chunks(plan, await started(request, streams)))
-    return JSONResponse(chat_response(plan, await collect(request, streams)))
+    finals = await collect(request, streams)
+    return await answer(lambda: chat_response(plan, finals), req.prompt_logprobs is not None)
 
 
 async def chat_render(request: Request, body: dict) -> JSONResponse:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 
 from app.engine.outputs import RequestOutput
 from app.engine.sampling_params import SamplingParams
+from app.server.body_checks import answer
 from app.server.errors import APIError, parse
 from app.server.logprobs import (
     completion_logprobs,
@@ -43,7 +44,9 @@ async def completions(request: Request, body: dict) -> JSONResponse | EventSourc
                         plan.req.request_id, whole_answer=not plan.req.stream)
     if plan.req.stream:
         return sse(completion_chunks(plan, await started(request, streams)))
-    return JSONResponse(completion_response(plan, await collect(request, streams)))
+    finals = await collect(request, streams)
+    return await answer(lambda: completion_response(plan, finals),
+                        plan.req.prompt_logprobs is not None)
 
 
 async def completions_render(request: Request, body: dict) -> JSONResponse:
