@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from app.config import ServerSettings
-from tests.server_harness import ServerThread, assert_idle_and_clean, tiny_config
+from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
 
 LONG = 120  # tokens: long enough that the other client acts while this one runs
 
@@ -178,6 +178,26 @@ def test_the_bearer_scheme_is_case_insensitive(keyed, scheme, ok):
         assert got.status_code == (200 if ok else 401), (value, got.text)
     wrong = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "bearer CLIENT-KEY"})
     assert wrong.status_code == 401
+
+
+def test_the_prefix_cache_is_scoped_by_the_key_and_the_salt(server):
+    """Tenants stay apart: the same prompt under another key (or another cache_salt)
+    finds none of the first one's cached blocks; under the same key it does."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+
+    def hits_of(key: str, salt: str | None = None) -> float:
+        before = metric(httpx.get(server.url + "/metrics").text, "prefix_cache_hits_total")
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        reply = httpx.post(server.url + "/v1/completions", headers=_auth(key),
+                           json=body if salt is None else body | {"cache_salt": salt})
+        assert reply.status_code == 200, reply.text
+        return metric(httpx.get(server.url + "/metrics").text, "prefix_cache_hits_total") - before
+
+    hits_of("tenant-a")
+    assert hits_of("tenant-a") > 0
+    assert hits_of("tenant-b") == 0
+    assert hits_of("tenant-a", salt="private") == 0
+    assert_idle_and_clean(server)
 
 
 def test_the_admin_aborts_by_a_label_and_aborts_all(keyed):

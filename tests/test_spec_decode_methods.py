@@ -63,7 +63,7 @@ def test_suffix_global_tree_drafts_a_repeated_request_from_its_first_token(tiny_
     llm = make_llm(tiny_dir, spec("suffix", tiny_dir))
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     proposer = llm.engine.speculator.proposer
-    assert proposer.requests == {} and len(proposer.global_tree.seqs) == 1
+    assert proposer.requests == {} and len(proposer.global_trees[None].seqs) == 1
     before = llm.engine.speculator.total.num_drafts
     # The same prompt again: each step but the first drafts, 1 + 1 + 4 + 4 ... tokens.
     out = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
@@ -91,7 +91,7 @@ def test_suffix_trees_are_dropped_after_finish_and_abort(tiny_dir, prompts):
     while engine.has_work:
         engine.step()
     assert proposer.requests == {}
-    assert len(proposer.global_tree.seqs) == 2  # the cap
+    assert len(proposer.global_trees[None].seqs) == 2  # the cap
     assert_clean(llm)
     llm.shutdown()
 

@@ -130,9 +130,9 @@ def test_removal_leaves_the_tree_of_the_others():
         assert tree.root.count == fresh.root.count
 
 
-def request(rid: str, prompt: list[int], outputs=()) -> Request:
+def request(rid: str, prompt: list[int], outputs=(), salt: str | None = None) -> Request:
     req = Request(request_id=rid, prompt_token_ids=list(prompt),
-                  params=SamplingParams(max_tokens=4096))
+                  params=SamplingParams(max_tokens=4096, cache_salt=salt))
     req.output_token_ids.extend(outputs)
     return req
 
@@ -146,14 +146,15 @@ def test_global_tree_is_capped_and_evicts_the_oldest_first():
         proposer.propose([req], [4])
         req.output_token_ids.extend(rng.randrange(50) for _ in range(40))
         proposer.finish(req)
-        assert list(proposer.global_tree.seqs) == [f"r{j}" for j in range(max(0, i - 2), i + 1)]
+        kept = [f"r{j}" for j in range(max(0, i - 2), i + 1)]
+        assert list(proposer.global_trees[None].seqs) == kept
         assert proposer.requests == {}  # each request's own tree went with it
-        sizes.append(proposer.global_tree.num_tokens())
+        sizes.append(proposer.global_trees[None].num_tokens())
     assert max(sizes) == 3 * 40
     fresh = SuffixTree(8)
-    for rid, seq in proposer.global_tree.seqs.items():
+    for rid, seq in proposer.global_trees[None].seqs.items():
         fresh.extend(rid, seq)
-    assert dump(proposer.global_tree) == dump(fresh)  # evicted outputs left nothing behind
+    assert dump(proposer.global_trees[None]) == dump(fresh)  # evicted outputs left nothing behind
 
 
 def test_a_repeated_answer_is_drafted_from_its_first_token():
@@ -168,6 +169,32 @@ def test_a_repeated_answer_is_drafted_from_its_first_token():
     assert proposer.propose([again], [5]) == [answer[1:2]]
     again.output_token_ids.extend(answer[1:4])
     assert proposer.propose([again], [5]) == [answer[4:8]]
+
+
+def test_one_tenants_answers_never_draft_for_another():
+    """Tenants (the cache salt, which the server prefixes with the API key's digest)
+    each have a tree of their own: B asking what A asked drafts nothing from A's answer,
+    A asking again does; the cap counts every tenant's requests, and a tenant's tree
+    goes when its last request is evicted."""
+    proposer = SuffixProposer(24, 3, 1.0, 0.1)
+    answer = list(range(100, 140))
+    first = request("a1", [1, 2, 3], salt="tenant-a")
+    proposer.propose([first], [5])
+    first.output_token_ids.extend(answer)
+    proposer.finish(first)
+    other = request("b1", [1, 2, 3], answer[:2], salt="tenant-b")
+    assert proposer.propose([other], [5]) == [[]]
+    same = request("a2", [1, 2, 3], answer[:2], salt="tenant-a")
+    assert proposer.propose([same], [5]) == [answer[2:4]]
+    for req in (other, same):
+        proposer.finish(req)
+    assert set(proposer.global_trees) == {"tenant-a", "tenant-b"}
+    for rid in ("c1", "c2"):  # two more past the cap of 3: a1, then b1, evicted
+        third = request(rid, [5], salt="tenant-c")
+        proposer.propose([third], [5])
+        proposer.finish(third)
+    assert set(proposer.global_trees) == {"tenant-a", "tenant-c"}  # b's only one went
+    assert list(proposer.global_trees["tenant-a"].seqs) == ["a2"]
 
 
 def test_a_step_on_a_4k_token_history_costs_well_under_a_millisecond():

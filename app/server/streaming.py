@@ -23,6 +23,7 @@ from app.config import ServerSettings
 from app.engine.outputs import RequestOutput
 from app.engine.request_stream import RequestGroup, RequestStream
 from app.engine.sampling_params import SamplingParams
+from app.server.auth import tenant_of
 from app.server.deadlines import request_slo
 from app.server.errors import APIError, error_body
 from app.server.request_id import is_sane
@@ -59,6 +60,8 @@ def queue_all(request: Request, prompts: list[list[int]], params: SamplingParams
     st = state(request)
     if (lora := getattr(request.state, "lora_name", None)) is not None:  # `check_model`
         params = replace(params, lora_name=lora)
+    if tenant := tenant_of(request):  # the prefix cache and the drafts, scoped by key too
+        params = replace(params, cache_salt=f"{tenant}:{params.cache_salt or ''}")
     n = params.n
     if params.stop:
         st.engine.inputs.need_tokenizer("stop")  # stop strings are matched in the text
