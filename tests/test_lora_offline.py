@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app import LLM, SamplingParams
-from app.engine.errors import AdapterNotFound, InvalidParameter
+from app.engine.errors import AdapterInUse, AdapterNotFound, InvalidParameter
 from app.engine.loras import unload
 from tests.hf_reference import hf_greedy
 from tests.lora_adapters import ATTENTION, MLP, make_adapter
@@ -241,7 +241,9 @@ def test_bad_adapters_are_refused_at_load_and_the_engine_goes_on(built, tmp_path
         llm.shutdown()
 
 
-def test_unload_fails_the_adapters_requests_and_frees_their_blocks(built):
+def test_an_adapter_in_use_is_not_unloaded_until_its_requests_finish(built):
+    """Unloading an adapter its requests run on is refused (AdapterInUse, a 409): they
+    finish on the weights they started with; once they have, it unloads."""
     base, dirs, expected, prompts = built["llama"]
     llm = serve(base, dirs, max_loras=2)
     core = llm.engine
@@ -249,13 +251,16 @@ def test_unload_fails_the_adapters_requests_and_frees_their_blocks(built):
         core.add_request("a", prompts[1], SamplingParams(**GREEDY, lora_name="qv"))
         core.add_request("b", prompts[1], SamplingParams(**GREEDY))
         core.step()
-        outs = unload(core, "qv")
-        assert [(o.request_id, o.finished, bool(o.error)) for o in outs] == [("a", True, True)]
-        assert "qv" not in core.loras.adapters
+        with pytest.raises(AdapterInUse, match="serves 1 request"):
+            unload(core, "qv")
+        assert "qv" in core.loras.adapters
+        done = {}
         while core.has_work:
-            done = {o.request_id: o for o in core.step().outputs if o.finished}
-            if "b" in done:
-                assert done["b"].token_ids == expected[None][1]
+            done |= {o.request_id: o for o in core.step().outputs if o.finished}
+        assert done["a"].token_ids == expected["qv"][1] and not done["a"].error
+        assert done["b"].token_ids == expected[None][1]
+        unload(core, "qv")
+        assert "qv" not in core.loras.adapters
         core.check_invariants()
         assert core.blocks.num_used_blocks == 0
         with pytest.raises(AdapterNotFound):

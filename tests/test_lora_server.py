@@ -130,9 +130,9 @@ def test_load_and_unload_are_admin_operations(server, built):
 
 
 def test_load_while_requests_run_then_unload(server, built):
-    """An adapter loaded while other requests stream serves exact ids at once; unloaded
-    while one of its requests runs, that request ends with an error, the others finish
-    exactly, and the name is a 404 again."""
+    """An adapter loaded while other requests stream serves exact ids at once; an unload
+    while one of its requests runs is a 409 and that request finishes whole; unloaded
+    after, the name is a 404 again."""
     _, adapters, prompt, expected = built
     tok = server.engine.core.tokenizer
     url = server.url
@@ -157,10 +157,14 @@ def test_load_while_requests_run_then_unload(server, built):
     load, first, long, unload, busy = asyncio.run(scenario())
     assert load.status_code == 200 and "added successfully" in load.text
     assert first.json()["choices"][0]["text"] == text_of(expected["late"], tok)
-    assert unload.status_code == 200, unload.text
-    assert long.status_code == 500 and "unloaded" in long.json()["error"]["message"]
+    assert unload.status_code == 409, unload.text  # in use: it finishes on its weights
+    assert unload.json()["error"]["code"] == "adapter_in_use"
+    assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 100
     assert [r.json()["choices"][0]["text"] for r in busy] == [
         text_of(expected["a1"], tok), text_of(expected[None], tok)]
+    done = httpx.post(url + "/v1/unload_lora_adapter", headers=headers(ADMIN),
+                      json={"lora_name": "late"})
+    assert done.status_code == 200, done.text
     assert asyncio.run(complete(url, prompt, "late")).status_code == 404
     again = httpx.post(url + "/v1/unload_lora_adapter", headers=headers(ADMIN),
                        json={"lora_name": "late"})

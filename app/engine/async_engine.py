@@ -200,12 +200,9 @@ class AsyncEngine:
         await asyncio.wait([asyncio.wrap_future(read)])
         return loras.finish(adapter, read)
 
-    async def unload_lora(self, name: str) -> int:
-        """Stop serving an adapter; its waiting and running requests end with an error.
-        Returns how many."""
-        outputs = unload(self.core, name)
-        await self._dispatch(outputs)
-        return len(outputs)
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter; refused (`AdapterInUse`) while requests use it."""
+        unload(self.core, name)
 
     # -- the loop -------------------------------------------------------------------
 

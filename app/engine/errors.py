@@ -21,6 +21,11 @@ class AdapterNotFound(EngineError):
     `model_not_found`)."""
 
 
+class AdapterInUse(EngineError):
+    """A LoRA adapter cannot be unloaded while requests run or wait on it (409): they
+    finish on the weights they started with, and the unload is asked for again."""
+
+
 class QueueFull(EngineError):
     """Refused at arrival: the queue is at max_queued_requests (`reason` "queue_full"), or
     the request could not start before its deadline ("deadline"). 503 + Retry-After."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config import LoRAConfig
-from app.engine.errors import AdapterNotFound, InvalidParameter
+from app.engine.errors import AdapterInUse, AdapterNotFound, InvalidParameter
 
 
 @dataclass(frozen=True)
@@ -177,16 +177,16 @@ def batch_lora_ids(seqs) -> list[int]:
     return ids if any(ids) else []
 
 
-def unload(core, name: str) -> list:
+def unload(core, name: str) -> None:
     """Stop serving an adapter (`EngineCore` `core`): new requests for it are 404s at
-    once; its waiting and running requests end with an error (their final outputs are
-    returned; blocks freed, or after the step in flight); the model thread drops its
-    tensors after the step in flight."""
-    gone = lora_id(core.loras, name) and core.loras.remove(name).lora_id  # 404 unless served
-    core.worker.call(lambda r: r.loras.remove(gone))
+    once, and the model thread drops its tensors after the step in flight. Refused (409,
+    `AdapterInUse`) while requests run or wait on it: they finish on the weights they
+    started with, never cut short by an unload."""
+    served = lora_id(core.loras, name)  # 404 unless served
     scheduler = core.scheduler
-    live = [r for r in (*scheduler.running, *scheduler.waiting) if r.lora_id == gone]
-    for req in live:  # out of the queue or the batch
-        scheduler.abort(req)
-    return [core.outputs.emit(r, "", [], error=f"the LoRA adapter {name} was unloaded")
-            for r in live]
+    live = sum(r.lora_id == served for r in (*scheduler.running, *scheduler.waiting))
+    if live:
+        raise AdapterInUse(f"the LoRA adapter {name} serves {live} request(s) now; unload it "
+                           "when they have finished")
+    gone = core.loras.remove(name).lora_id
+    core.worker.call(lambda r: r.loras.remove(gone))

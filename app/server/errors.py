@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from app.engine.errors import (
+    AdapterInUse,
     AdapterNotFound,
     EngineDead,
     InvalidParameter,
@@ -80,6 +81,8 @@ def api_error(e: Exception, retry_after_seconds: int = 1) -> APIError | None:
         return APIError(400, str(e), e.param)
     if isinstance(e, AdapterNotFound):
         return APIError(404, str(e), "model", "invalid_request_error", "model_not_found")
+    if isinstance(e, AdapterInUse):
+        return APIError(409, str(e), "lora_name", "invalid_request_error", "adapter_in_use")
     if isinstance(e, QueueFull | RequestShed):
         wait = e.retry_after if e.retry_after is not None else retry_after_seconds
         code = e.reason if isinstance(e, QueueFull) else "shed"
