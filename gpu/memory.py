@@ -6,7 +6,8 @@ activations of a profiling forward (or of the draft model's largest call, if hig
 and the CUDA-graph estimate — or less, when memory was already in use as the runner started (another
 process, or this one's CUDA context): `(1 - gpu_memory_utilization) × total` is always
 left free. On CPU it is an explicit byte budget. Either way the numbers are
-logged so that an operator can check each against the arithmetic.
+logged so that an operator can check each against the arithmetic. On CPU a model the
+host cannot hold is refused before any weight is read (`check_host_memory`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -164,3 +166,45 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
     buffer = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+def mem_available() -> int | None:
+    """The host's MemAvailable (what can be allocated without swapping), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    """Bytes of the weights on disk: the directory's safetensors, and the GGUF its blocks
+    are read from (`models/gguf_blocks.py`), where it has one."""
+    from models import gguf_blocks
+
+    total = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    blocks = gguf_blocks.load(model_dir)
+    path = getattr(blocks, "gguf_path", None)
+    return total + (Path(path).stat().st_size if path is not None else 0)
+
+
+def check_host_memory(model_dir: str | Path, dense_bytes: int, kv_bytes: int | None) -> None:
+    """Refuse, before any weight is read, a model whose weights and KV pool cannot fit in
+    the host's available memory, with the arithmetic. The weights' floor is the smaller
+    of the dense parameters in the serving dtype and the checkpoint on disk (a GGUF served
+    from its blocks holds at least the file's bytes), so a model that fits is never
+    refused; one that cannot fit is, rather than loading until the machine runs out."""
+    available = mem_available()
+    if available is None:
+        return
+    weights = min(dense_bytes, checkpoint_bytes(model_dir) or dense_bytes)
+    kv = kv_bytes if kv_bytes is not None else DEFAULT_CPU_KV_BYTES
+    if weights + kv > available:
+        raise ValueError(
+            f"this host cannot hold the model: its weights take at least {weights / GiB:.2f} "
+            f"GiB and the KV cache {kv / GiB:.2f} GiB, {(weights + kv) / GiB:.2f} GiB in all, "
+            f"but {available / GiB:.2f} GiB is available (MemAvailable): free memory, serve "
+            "a smaller or more quantized model, or lower --kv-cache-memory")
+

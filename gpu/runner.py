@@ -25,7 +25,7 @@ from gpu.draft import DraftModel
 from gpu.dtypes import resolve_device, resolve_dtype, resolve_kv_dtype
 from gpu.lora import LoRASlots
 from gpu.lora_rows import row_kernel
-from gpu.memory import KVPlan, kv_bytes_per_token, plan_kv_cache, zeroed_pool
+from gpu.memory import KVPlan, check_host_memory, kv_bytes_per_token, plan_kv_cache, zeroed_pool
 from gpu.peaks import measure_peaks
 from gpu.profiling import MemoryProfile, profile_memory
 from gpu.roofline import DevicePeaks, ModelCost, log_roofline
@@ -110,9 +110,7 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: 
 
     if name != "auto" or device.type != "cpu":  # "torch" keeps plain torch, the reference
         return TorchAttentionBackend(*args)
-    if capabilities is None:
-        capabilities = cpu_capabilities(name, device)
-    return TorchAttentionBackend(*args, kernels=capabilities)
+    return TorchAttentionBackend(*args, kernels=capabilities or cpu_capabilities(name, device))
 
 
 def decoder_ops(backend: AttentionBackend,
@@ -184,13 +182,15 @@ class ModelRunner:
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=spec.max_model_len,
                                        ops=decoder_ops(self.backend, self.capabilities))
-        # Allocate in the serving dtype: the weights never exist in fp32 first. (Not
-        # `.to(dtype).to_empty()`: on meta tensors that imports sympy, slow to start.)
+        # Allocate (lazily) in the serving dtype: never fp32 first. (Not `.to(dtype)
+        # .to_empty()`: on meta tensors that imports sympy, slow to start.)
         model._apply(lambda t: torch.empty(
             t.shape, device=self.device,
             dtype=self.dtype if t.is_floating_point() else t.dtype))
         model.rotary = model.make_rotary(spec.max_model_len).to(self.device)  # not on meta
         weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cpu" and weights is None:  # before any weight is read
+            check_host_memory(spec.model_dir, weights_bytes, spec.kv_cache_memory)
         self.model = model.eval()
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
         if self.capabilities is not None:
@@ -296,9 +296,8 @@ class ModelRunner:
         return self.device.type == "cuda" and not (spec.kv_cache_memory or spec.num_blocks)
 
     def _total_device_bytes(self) -> int | None:
-        if not self._auto_sized():
-            return None
-        return torch.cuda.get_device_properties(self.device).total_memory
+        return (torch.cuda.get_device_properties(self.device).total_memory
+                if self._auto_sized() else None)
 
     def _graph_sizes(self) -> list[int]:
         if self.device.type != "cuda" or self.spec.enforce_eager:

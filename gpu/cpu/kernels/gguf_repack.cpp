@@ -5,12 +5,7 @@
 // (a temporary per shift and mask) took seconds a gigabyte. This reads each block once
 // and writes its levels and scales once, rows in parallel.
 //
-// The rewrite is models/gguf_repack.py's, type by type (that module is the reference
-// and documents each mapping; tests/test_gguf_types.py holds the two equal): Q4_0, Q4_1,
-// Q4_K -> q4_1 (nibbles, float32 scale and minimum per 32); Q8_0, Q5_0, IQ4_NL, IQ4_XS
-// -> q8_0 (int8, float32 scale per 32); Q6_K, Q3_K -> q8_16 (int8, float32 scale per
-// 16). Scales are the products gguf-py computes in float32 (an f16 times a small
-// integer: exact), so the weights the kernels compute are gguf-py's bit for bit.
+// Each type's rewrite of a block: gguf_types.h (models/gguf_repack.py is the reference).
 //
 // `source_rows` (optional, int64 [N]): output row r is the GGUF's row source_rows[r]
 // (llama.cpp's Q/K rotary interleave undone as the rows are written).
@@ -18,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -28,193 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "gguf_types.h"
+
 namespace {
 
-constexpr int kQK = 256;  // weights per K-quant super-block
-constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                   1,    13,   25,  38,  53,  69,  89,  113};
-
-float f16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// One output row's destination: levels (nibble bytes or int8), scales, mins (q4_1 only),
-// and where asked a Q4_K's codes (per block its scale and min, per super-block d and
-// -dmin: q4_1_scales.h).
-struct Row {
-  uint8_t* q;
-  float* d;
-  float* m;
-  uint8_t* codes = nullptr;
-  float* supers = nullptr;
-};
-
-// Per type: weights per block, bytes per block, kernel format, and the rewrite of one
-// block into the row at block index b (its levels at q + b * level_bytes, scales at
-// d + b * scales_per_block).
-void q4_0(const uint8_t* x, Row r, int64_t b) {
-  const float d = f16(x);
-  std::memcpy(r.q + b * 16, x + 2, 16);
-  r.d[b] = d;
-  r.m[b] = d * -8.0f;
-}
-
-void q4_1(const uint8_t* x, Row r, int64_t b) {
-  std::memcpy(r.q + b * 16, x + 4, 16);
-  r.d[b] = f16(x);
-  r.m[b] = f16(x + 2);
-}
-
-void q8_0(const uint8_t* x, Row r, int64_t b) {
-  std::memcpy(r.q + b * 32, x + 2, 32);
-  r.d[b] = f16(x);
-}
-
-// Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums, sub-block j of 8.
-void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Four levels (bytes 0-15) as one 16-bit group of nibbles, byte i in nibble i.
-inline uint32_t pack_nibbles(uint32_t bytes) {
-  bytes = (bytes | (bytes >> 4)) & 0x00FF00FFu;
-  return (bytes | (bytes >> 8)) & 0xFFFFu;
-}
-
-// Q4_K's levels of super-block b straight into the dot kernel's pairs (quant_linear_bf16.cpp
-// `q4_1_dot_pairs`: per block and chunk c, k = 4c + i + 16 in the low half and k = 4c + i
-// in the high one, nibble i), one output's dword every `stride` dwords: for a layer that
-// keeps no panel levels, with no nibble-pair bytes in between.
-void q4_k_pairs(const uint8_t* x, int64_t b, uint32_t* out, int64_t stride) {
-  const uint8_t* qs = x + 16;
-  for (int s = 0; s < 8; ++s) {  // sub-block s = 2 * run + half: run's nibbles of one half
-    const int run = s / 2, shift = 4 * (s % 2);
-    for (int c = 0; c < 4; ++c) {
-      uint32_t first, second;  // levels k = 4c .. 4c + 3 and k = 4c + 16 .. 4c + 19
-      std::memcpy(&first, qs + 32 * run + 4 * c, 4);
-      std::memcpy(&second, qs + 32 * run + 4 * c + 16, 4);
-      out[((b * 8 + s) * 4 + c) * stride] = pack_nibbles((second >> shift) & 0x0F0F0F0Fu) |
-                                            pack_nibbles((first >> shift) & 0x0F0F0F0Fu) << 16;
-    }
-  }
-}
-
-// Q4_K: levels into r.q where it is given (else only the scales and codes).
-void q4_k(const uint8_t* x, Row r, int64_t b) {
-  const float d = f16(x), dmin = f16(x + 2);
-  const uint8_t* qs = x + 16;
-  for (int s = 0; s < 8; ++s) {  // sub-block s = 2 * run + half: run's nibbles of one half
-    const int run = s / 2, shift = 4 * (s % 2);
-    uint8_t* out = r.q ? r.q + (b * 8 + s) * 16 : nullptr;
-    for (int j = 0; j < 16 && out; ++j)
-      out[j] = ((qs[32 * run + j] >> shift) & 0x0F) |
-               (((qs[32 * run + 16 + j] >> shift) & 0x0F) << 4);
-    int sc, mn;
-    k_scale_min(x + 4, s, &sc, &mn);
-    r.d[b * 8 + s] = d * static_cast<float>(sc);
-    r.m[b * 8 + s] = -(dmin * static_cast<float>(mn));
-    if (r.codes) {
-      r.codes[(b * 8 + s) * 2] = static_cast<uint8_t>(sc);
-      r.codes[(b * 8 + s) * 2 + 1] = static_cast<uint8_t>(mn);
-    }
-  }
-  if (r.supers) {
-    r.supers[b * 2] = d;
-    r.supers[b * 2 + 1] = -dmin;
-  }
-}
-
-void q5_0(const uint8_t* x, Row r, int64_t b) {
-  uint32_t high;
-  std::memcpy(&high, x + 2, 4);
-  const uint8_t* low = x + 6;
-  int8_t* out = reinterpret_cast<int8_t*>(r.q) + b * 32;
-  for (int j = 0; j < 32; ++j) {
-    const int nibble = j < 16 ? (low[j] & 0x0F) : (low[j - 16] >> 4);
-    out[j] = static_cast<int8_t>((nibble | (((high >> j) & 1) << 4)) - 16);
-  }
-  r.d[b] = f16(x);
-}
-
-void iq4_levels(const uint8_t* qs, int8_t* out) {
-  for (int j = 0; j < 16; ++j) {
-    out[j] = kIq4Values[qs[j] & 0x0F];
-    out[j + 16] = kIq4Values[qs[j] >> 4];
-  }
-}
-
-void iq4_nl(const uint8_t* x, Row r, int64_t b) {
-  iq4_levels(x + 2, reinterpret_cast<int8_t*>(r.q) + b * 32);
-  r.d[b] = f16(x);
-}
-
-void iq4_xs(const uint8_t* x, Row r, int64_t b) {
-  const float d = f16(x);
-  uint16_t high;
-  std::memcpy(&high, x + 2, 2);
-  for (int s = 0; s < 8; ++s) {
-    const int low = (x[4 + s / 2] >> (4 * (s % 2))) & 0x0F;
-    const int scale = (low | (((high >> (2 * s)) & 3) << 4)) - 32;
-    r.d[b * 8 + s] = d * static_cast<float>(scale);
-    iq4_levels(x + 8 + 16 * s, reinterpret_cast<int8_t*>(r.q) + (b * 8 + s) * 32);
-  }
-}
-
-void q6_k(const uint8_t* x, Row r, int64_t b) {
-  const uint8_t *ql = x, *qh = x + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
-  const float d = f16(x + 208);
-  int8_t* out = reinterpret_cast<int8_t*>(r.q) + b * kQK;
-  for (int n = 0; n < 2; ++n)      // two runs of 128 weights
-    for (int g = 0; g < 4; ++g)    // four groups of 32 in each
-      for (int j = 0; j < 32; ++j) {
-        const int low = (ql[64 * n + 32 * (g % 2) + j] >> (4 * (g / 2))) & 0x0F;
-        const int hi = (qh[32 * n + j] >> (2 * g)) & 3;
-        out[128 * n + 32 * g + j] = static_cast<int8_t>((low | (hi << 4)) - 32);
-      }
-  for (int i = 0; i < 16; ++i) r.d[b * 16 + i] = d * static_cast<float>(sc[i]);
-}
-
-void q3_k(const uint8_t* x, Row r, int64_t b) {
-  const uint8_t *hmask = x, *qs = x + 32, *packed = x + 96;
-  const float d = f16(x + 108);
-  for (int i = 0; i < 16; ++i) {
-    const int low = (packed[i % 8] >> (4 * (i / 8))) & 0x0F;
-    const int high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-    r.d[b * 16 + i] = d * static_cast<float>((low | (high << 4)) - 32);
-  }
-  int8_t* out = reinterpret_cast<int8_t*>(r.q) + b * kQK;
-  for (int n = 0; n < 2; ++n)
-    for (int s = 0; s < 4; ++s)
-      for (int j = 0; j < 32; ++j) {
-        const int low = (qs[32 * n + j] >> (2 * s)) & 3;
-        const int bit = (hmask[j] >> (4 * n + s)) & 1;
-        out[128 * n + 32 * s + j] = static_cast<int8_t>(low - ((bit ^ 1) << 2));
-      }
-}
-
-struct Type {
-  const char* name;
-  int weights, bytes;  // per block
-  const char* format;
-  void (*rewrite)(const uint8_t*, Row, int64_t);
-};
-
-constexpr Type kTypes[] = {
-    {"Q4_0", 32, 18, "q4_1", q4_0},     {"Q4_1", 32, 20, "q4_1", q4_1},
-    {"Q8_0", 32, 34, "q8_0", q8_0},     {"Q4_K", kQK, 144, "q4_1", q4_k},
-    {"Q5_0", 32, 22, "q8_0", q5_0},     {"IQ4_NL", 32, 18, "q8_0", iq4_nl},
-    {"IQ4_XS", kQK, 136, "q8_0", iq4_xs}, {"Q6_K", kQK, 210, "q8_16", q6_k},
-    {"Q3_K", kQK, 110, "q8_16", q3_k},
-};
+using namespace gguf_types;
 
 const Type& find_type(const std::string& name, const at::Tensor& raw, const char* op) {
   const Type* type = nullptr;
