@@ -69,3 +69,48 @@ def test_a_cpu_pool_is_private_memory_not_shmem() -> None:
     pool = zeroed_pool((16, 2**16), torch.float32, torch.device("cpu"))  # 4 MiB
     perms, backing = mapping_of(pool.data_ptr())
     assert perms.endswith("p") and "/dev/zero" not in backing, (perms, backing)
+
+
+def test_a_model_the_host_cannot_hold_is_refused_before_any_weight_is_read(tiny_dir,
+                                                                            monkeypatch):
+    """The host's MemAvailable (faked: no machine here is small enough to hold less than
+    a real model) below the weights' floor plus the KV pool: the load stops before any
+    weight is read, with the arithmetic; above it, the model loads."""
+    from app.config import EngineConfig
+    from app.engine.core import EngineCore
+    from gpu import memory
+
+    weights = sum(p.stat().st_size for p in Path(tiny_dir).glob("*.safetensors"))
+    assert memory.checkpoint_bytes(tiny_dir) == weights
+    kv = 64 << 20
+    config = EngineConfig.from_kwargs(model=str(tiny_dir), dtype="float32",
+                                      kv_cache_memory=kv, max_model_len=256)
+    read = []
+    monkeypatch.setattr(memory, "mem_available", lambda: kv)  # the pool, and no weights
+    import models.decoder
+
+    original = models.decoder.DecoderForCausalLM.load_weights
+    monkeypatch.setattr(models.decoder.DecoderForCausalLM, "load_weights",
+                        lambda self, *a, **k: read.append(1) or original(self, *a, **k))
+    with pytest.raises(ValueError, match=r"this host cannot hold the model: .* GiB is "
+                                         r"available \(MemAvailable\)"):
+        EngineCore(config)
+    assert read == []
+    monkeypatch.setattr(memory, "mem_available", lambda: weights + kv + (64 << 20))
+    core = EngineCore(config)
+    core.shutdown()
+    assert read == [1]
+
+
+def test_a_gguf_served_from_its_blocks_counts_the_file_not_dense_weights(tmp_path):
+    """The floor of a GGUF's weights is the file the blocks are read from (what they
+    hold at least) beside the directory's own safetensors, not the dense parameters."""
+    from gpu import memory
+    from models.gguf_blocks import BlockSource, save
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "norms.safetensors").write_bytes(b"\0" * 100)
+    save({"w": BlockSource("w", "Q4_K", 0, 4096, 32, 256, "q4_1")}, gguf, tmp_path / "model")
+    assert memory.checkpoint_bytes(tmp_path / "model") == 4096 + 100
