@@ -11,10 +11,10 @@ Two kinds of suffix tree (`suffix_tree.py`):
   server prefixes with the API key's digest, and the LoRA adapter): one tenant's drafts,
   and so its acceptance figures and its latency, never come from another's answers.
 Each step a request's context (its last `max_tree_depth` tokens) is matched in its own
-tree and its tenant's, and the draft with the higher score wins (its own on a tie). The draft is as
-long as the match allows (`max_spec_factor` x the match length, at most the room the
-speculator gives) and stops where the estimated probability of the continuation
-falls below `min_token_prob`.
+tree and its tenant's, and the draft with the higher score wins (its own on a tie). The
+draft is as long as the match allows (`max_spec_factor` x the match length, at most the
+room the speculator gives) and stops where the estimated probability of the
+continuation falls below `min_token_prob`.
 
 The trees follow the requests incrementally: `propose` appends only the tokens a
 request gained since its last step, so a step costs O(depth) per new token and
@@ -107,7 +107,7 @@ class SuffixProposer:
                 del self.global_trees[old_tenant]
 
     def finish(self, req: Request) -> None:
-        """The request ended (finished, aborted, failed): its output stays in the global
+        """The request ended (finished, aborted, failed): its output stays in its tenant's
         tree, its own tree goes."""
         rid, tenant = req.request_id, req.cache_key
         shared = self.global_trees.get(tenant)

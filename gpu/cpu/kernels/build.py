@@ -141,7 +141,7 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
                 if not logged:
                     f.seek(0)
                     log.warning("waiting for another process's kernel build (%s) in %s",
-                             f.read().strip() or "pid unknown", build_dir)
+                                f.read().strip() or "pid unknown", build_dir)
                     logged = True
                 time.sleep(0.2)
         f.truncate(0)
