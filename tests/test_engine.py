@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
-from app.engine.errors import InvalidParameter
+from app.engine.errors import ContextTooLong, InvalidParameter
 from tests.hf_reference import hf_greedy
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 26, 33, 41]
@@ -211,9 +211,10 @@ def test_bad_prompts_leave_nothing_behind(tiny_dir):
     llm = make_llm(tiny_dir)
     with pytest.raises(InvalidParameter, match="empty"):
         llm.generate([[]], GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidParameter, match="max_model_len is 128"):
+    with pytest.raises(ContextTooLong, match="maximum context length is 128 tokens") as e:
         llm.generate([[5] * 200], GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidParameter, match="120 in the prompt, 32"):
+    assert e.value.param == "prompt"
+    with pytest.raises(ContextTooLong, match=r"\(120 in the messages, 32 in the completion\)"):
         llm.generate([[5] * 120], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidParameter, match="outside the vocabulary"):
         llm.generate([[5, 10**6]], GREEDY, use_tqdm=False)

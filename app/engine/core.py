@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from app.config import EngineConfig
 from app.engine.admission import AdmissionController
-from app.engine.errors import InvalidParameter
+from app.engine.errors import ContextTooLong, InvalidParameter
 from app.engine.grammar import GrammarLimits, GrammarService
 from app.engine.kv_blocks import BlockManager
 from app.engine.kv_events import KVEventLog, KVEventsConfig, ZmqPublisher
@@ -157,20 +157,10 @@ class EngineCore:
         if params.n != 1:  # the server fans a request out into n sequences before this
             raise InvalidParameter("n", "the engine runs one sequence per request: "
                                    "add n requests (the HTTP server does this for n > 1)")
-        if n >= self.max_model_len:
-            raise InvalidParameter(
-                "prompt",
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
-                f"(room is needed for at least one generated token)",
-            )
+        if n + max(params.max_tokens, 1) > self.max_model_len:  # one token at least
+            raise ContextTooLong("prompt" if n >= self.max_model_len else "max_tokens",
+                                 self.max_model_len, n, params.max_tokens)
         check_prompt_logprobs(params, n)
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidParameter(
-                "max_tokens",
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"asks for {n + params.max_tokens} ({n} in the prompt, {params.max_tokens} "
-                f"for max_tokens)",
-            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -16,6 +16,22 @@ class InvalidParameter(EngineError, ValueError):
         self.param = param
 
 
+class ContextTooLong(InvalidParameter):
+    """The prompt, or the prompt and the tokens asked for, do not fit the model's context
+    (400, OpenAI's and vLLM's `context_length_exceeded`, in vLLM's words, which clients
+    match to trim or compact a conversation)."""
+
+    def __init__(self, param: str, max_model_len: int, prompt_tokens: int,
+                 completion_tokens: int):
+        super().__init__(param, (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the "
+            f"messages, {completion_tokens} in the completion). Please reduce the length of "
+            "the messages or completion."))
+        self.max_model_len, self.prompt_tokens = max_model_len, prompt_tokens
+        self.completion_tokens = completion_tokens
+
+
 class AdapterNotFound(EngineError):
     """No LoRA adapter (and no model) of that name is served (404, OpenAI's
     `model_not_found`)."""

@@ -22,6 +22,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from app.engine.errors import ContextTooLong
 from app.engine.outputs import RequestOutput
 from app.server.anthropic_protocol import CountTokensRequest, MessagesRequest, chat_body
 from app.server.errors import APIError, api_error, parse
@@ -41,9 +42,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def anthropic_error(e: APIError) -> dict[str, Any]:
-    """An error in Anthropic's shape; the message names the field, as ours do."""
+    """An error in Anthropic's shape; the message names the field, as ours do. A context
+    overflow is worded as Anthropic's API words it, which its clients match."""
     message = e.message if e.param is None or e.param in e.message else \
         f"{e.param}: {e.message}"
+    if isinstance(over := e.cause, ContextTooLong):
+        message = (f"prompt is too long: {over.prompt_tokens} tokens > {over.max_model_len} "
+                   "maximum" if over.prompt_tokens >= over.max_model_len else
+                   f"input length and `max_tokens` exceed context limit: {over.prompt_tokens}"
+                   f" + {over.completion_tokens} > {over.max_model_len}, decrease input "
+                   "length or `max_tokens` and try again")
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"),
                                        "message": message}}
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from app.engine.errors import (
     AdapterInUse,
     AdapterNotFound,
+    ContextTooLong,
     EngineDead,
     InvalidParameter,
     QueueFull,
@@ -30,10 +31,11 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, cause: Exception | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type, self.code, self.headers = type_, code, headers or {}
+        self.cause = cause  # the engine's error, for an API that words it its own way
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -77,6 +79,9 @@ def api_error(e: Exception, retry_after_seconds: int = 1) -> APIError | None:
     """The HTTP form of an engine error; None for an error that is a bug (→ 500)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ContextTooLong):
+        return APIError(400, str(e), e.param, "invalid_request_error",
+                        "context_length_exceeded", cause=e)
     if isinstance(e, InvalidParameter):
         return APIError(400, str(e), e.param)
     if isinstance(e, AdapterNotFound):
