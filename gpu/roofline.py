@@ -37,7 +37,7 @@ sees; per-layer windows (Qwen2's `max_window_layers`) are counted as full attent
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import mul
 
 from models.config import ModelConfig
@@ -64,6 +64,9 @@ class StepCost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
+RAISED = "; raised to what a step achieved"  # `DevicePeaks.raised_to`
+
+
 @dataclass(frozen=True)
 class DevicePeaks:
     """What the device can do at best: copy bandwidth and matmul throughput."""
@@ -78,6 +81,16 @@ class DevicePeaks:
     def ridge(self) -> float:
         """Arithmetic intensity (FLOPs per byte) where the two roofs meet."""
         return self.flops / self.bandwidth
+
+    def raised_to(self, bandwidth: float, flops: float) -> DevicePeaks:
+        """These peaks, raised where a step achieved more: a copy measured on a busy host
+        can come out low (or a step read from cache), and a utilisation of a peak must
+        never pass 100 %."""
+        if bandwidth <= self.bandwidth and flops <= self.flops:
+            return self
+        how = self.how if self.how.endswith(RAISED) else self.how + RAISED
+        return replace(self, bandwidth=max(self.bandwidth, bandwidth),
+                       flops=max(self.flops, flops), how=how)
 
     def floor_seconds(self, cost: StepCost) -> float:
         """The fastest the step could run: the higher of its two floors."""

@@ -160,9 +160,10 @@ def test_per_request_families_record_what_happened(server):
 def test_roofline_families(server):
     f = families(server)
     fam = lambda name: f["ridgeline:" + name]  # noqa: E731
-    core = server.engine.core
-    assert value(fam("device_peak_bandwidth_bytes_per_second"), "") == core.peaks.bandwidth
-    assert value(fam("device_peak_flops_per_second"), "") == core.peaks.flops
+    peaks = server.engine.roofline.peaks  # measured, raised where a step did better
+    assert value(fam("device_peak_bandwidth_bytes_per_second"), "") == peaks.bandwidth
+    assert value(fam("device_peak_flops_per_second"), "") == peaks.flops
+    assert peaks.bandwidth >= server.engine.core.peaks.bandwidth
     assert value(fam("decode_mbu"), "_count") > 0 and value(fam("prefill_mfu"), "_count") > 0
     assert value(fam("step_arithmetic_intensity"), "_count") == value(
         fam("decode_mbu"), "_count") + value(fam("prefill_mfu"), "_count")
@@ -195,7 +196,7 @@ def test_plan_endpoint_and_the_offline_plan_agree(server, tiny_dir):
     assert mem["kv_bytes_per_token"] == core.kv_plan.bytes_per_token == 512
     assert mem["weights_bytes"] == core.kv_plan.weights_bytes  # measured == the arithmetic
     assert mem["max_concurrency"] == round(core.kv_plan.max_concurrency, 2)
-    assert plan["peaks"]["ridge_flop_per_byte"] == round(core.peaks.ridge, 2)
+    assert plan["peaks"]["ridge_flop_per_byte"] == round(server.engine.roofline.peaks.ridge, 2)
     assert plan["roofline"]["steps"][0]["bound"] in ("memory", "compute")
     live = plan["live"]["since_start"]
     assert live["decode"]["steps"] > 0 and 0 < live["decode"]["mbu"]

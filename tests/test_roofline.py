@@ -132,6 +132,25 @@ def test_live_position_is_time_weighted():
     assert position(_stats(0, 1, 1.0, 1, 1), None) is None  # peaks unknown
 
 
+def test_a_step_past_the_measured_peak_raises_it():
+    """A copy measured low (a busy host) or a step served from cache: the step's rate
+    becomes the peak, so no utilisation passes 100 % in the positions, the snapshot and
+    the stats line, and the peaks say they were raised."""
+    peaks = DevicePeaks(1e9, 1e10, "test", "float32", "measured")
+    tracker = RooflineTracker(peaks)
+    pos = tracker.record(_stats(0, 8, 0.5, 10**9, 10**9))  # 2 GB/s against 1 GB/s
+    assert pos.mbu == pytest.approx(1.0) and tracker.peaks.bandwidth == pytest.approx(2e9)
+    assert tracker.peaks.flops == 1e10 and tracker.peaks.how.endswith("a step achieved")
+    assert tracker.record(_stats(0, 8, 1.0, 10**9, 10**9)).mbu == pytest.approx(0.5)
+    decode = tracker.snapshot()["since_start"]["decode"]
+    assert decode["mbu"] <= 1.0
+    line = format_roofline(tracker.total["decode"], PhaseTotals(), tracker.peaks)
+    assert "Decode MBU: 66.7%" in line  # 2 GB in 1.5 s against 2 GB/s
+    assert tracker.peaks.raised_to(1.0, 1.0) is tracker.peaks
+    again = tracker.peaks.raised_to(4e9, 0.0)
+    assert again.how.count("raised") == 1 and again.bandwidth == 4e9
+
+
 def test_stats_line_gains_the_roofline():
     peaks = DevicePeaks(1e9, 1e10, "test", "float32", "given")
     decode, prefill = PhaseTotals(), PhaseTotals()

@@ -119,7 +119,7 @@ class AsyncEngine:
         report = plan_report(
             model=self.model_name, model_config=core.model_config, dtype=core.dtype,
             device=core.peaks.device if core.peaks else core.config.device, plan=core.kv_plan,
-            cost=core.cost, peaks=core.peaks, max_num_seqs=sched.max_num_seqs,
+            cost=core.cost, peaks=self.roofline.peaks, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
         report["live"] = self.roofline.snapshot()
         return report
@@ -273,7 +273,11 @@ class AsyncEngine:
         return step, asyncio.wrap_future(self.core.submit(step.batch))
 
     def _record(self, stats: StepStats) -> None:
+        peaks = self.roofline.peaks
         position = self.roofline.record(stats)
+        if self.roofline.peaks is not peaks:  # raised to what this step achieved
+            self.stats.peaks = self.roofline.peaks
+            self.metrics.set_peaks(self.roofline.peaks)
         self.metrics.record_step(stats, position)
         if (loras := self.core.loras) is not None:
             s = self.core.scheduler

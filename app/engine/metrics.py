@@ -188,6 +188,10 @@ class Metrics:
                                        "(labels; the value is 1)", list(info),
                                        registry=self.registry)
         self.cache_config_info.labels(**info).set(1)
+        self.set_peaks(peaks)
+
+    def set_peaks(self, peaks: DevicePeaks | None) -> None:
+        """The peaks the utilisations are of (raised where a step achieved more)."""
         if peaks is not None:
             self._peak_bw.set(peaks.bandwidth)
             self._peak_flops.set(peaks.flops)

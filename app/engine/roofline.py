@@ -78,7 +78,9 @@ def position(stats: StepStats, peaks: DevicePeaks | None) -> StepPosition | None
 
 class RooflineTracker:
     """Totals per kind of step, since start and over the recent window (the live position
-    in /plan): the window is the current period plus the previous one."""
+    in /plan): the window is the current period plus the previous one. `peaks` are the
+    measured ones, raised to what a step achieved where it did better (the home of the
+    peaks the stats line, /plan and the metrics read)."""
 
     def __init__(self, peaks: DevicePeaks | None, period: float = 10.0):
         self.peaks = peaks
@@ -102,6 +104,10 @@ class RooflineTracker:
         kind = "prefill" if is_prefill(stats) else "decode"
         self.total[kind].add(stats)
         self._recent[kind].add(stats)
+        if self.peaks is not None:  # never a utilisation past 100 %
+            moved = stats.bytes_read + stats.bytes_written
+            self.peaks = self.peaks.raised_to(moved / stats.model_seconds,
+                                              stats.flops / stats.model_seconds)
         pos = position(stats, self.peaks)
         if pos is not None:
             self.last[kind] = pos
