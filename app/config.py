@@ -24,7 +24,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPEC_METRICS_LEVELS = ("none", "summary", "detailed")  # vLLM's choices
 KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's flag; its fp8 choices are not built
-DEFAULT_MAX_MODEL_LEN = 4096  # cap for models whose context is larger, unless asked
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -72,8 +71,8 @@ def _positive(name: str, value: int | float | None, minimum: int | float = 1) ->
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int | None = setting(
-        None, "longest prompt + output in tokens (default: the model's context, capped at "
-        f"{DEFAULT_MAX_MODEL_LEN})")
+        None, "longest prompt + output in tokens (default: the model's whole context, "
+        "lowered with a log line where the KV cache cannot hold one sequence of it)")
     max_num_seqs: int = setting(256, "most requests in one batch",
                                 flags=("--max-num-seqs", "--max-running-requests"))
     max_num_batched_tokens: int = setting(2048, "token budget of one step (prefill chunks "

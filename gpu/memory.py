@@ -79,11 +79,15 @@ def plan_kv_cache(
     graph_bytes: int = 0,
     num_blocks: int | None = None,
     sliding_window: int | None = None,
+    fit_max_model_len: bool = False,
 ) -> KVPlan:
     """Size the pool and log the arithmetic. Priority: num_blocks > kv_cache_memory > GPU.
 
     `free_device_bytes` is what was free before the weights loaded (None: all of it);
-    `draft_bytes` is the draft model's weights, loaded beside the target's."""
+    `draft_bytes` is the draft model's weights, loaded beside the target's.
+    `fit_max_model_len` (no length was asked for: `max_model_len` is the model's whole
+    context): a pool that cannot hold one sequence of it lowers it, with a log line that
+    says so and why, where an asked-for length it cannot hold is refused."""
     if num_blocks is not None:
         budget = num_blocks * block_size * bytes_per_token
     elif kv_cache_memory is not None:
@@ -116,6 +120,15 @@ def plan_kv_cache(
         sliding_window=sliding_window if sliding_window and sliding_window < max_model_len
         else None,
     )
+    if plan.token_capacity < max_model_len and fit_max_model_len and plan.token_capacity:
+        log.warning("max_model_len lowered from %d (the model's context) to %d: the KV cache "
+                    "holds %d tokens (%.3f GiB); give it more (--kv-cache-memory / "
+                    "--gpu-memory-utilization) or choose --max-model-len",
+                    max_model_len, plan.token_capacity, plan.token_capacity, budget / GiB)
+        return plan_kv_cache(
+            bytes_per_token=bytes_per_token, block_size=block_size,
+            max_model_len=plan.token_capacity, weights_bytes=weights_bytes,
+            num_blocks=blocks, sliding_window=sliding_window)
     if plan.token_capacity < max_model_len:
         raise ValueError(
             f"the KV cache holds {plan.token_capacity} tokens ({budget / GiB:.3f} GiB at "

@@ -73,6 +73,7 @@ class RunnerSpec:
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
     draft_window: int | None = None  # its window of tokens (None: max_model_len)
+    fit_max_model_len: bool = False  # none asked for: the pool may lower it (`plan_kv_cache`)
     # Speculative decoding's verify steps (`gpu/verify_graphs.py`): drafts per row (0: none),
     # and the running requests from which nobody drafts.
     num_speculative_tokens: int = 0
@@ -246,7 +247,7 @@ class ModelRunner:
                 kv_dtype_bytes,
             ),
             block_size=spec.block_size,
-            max_model_len=spec.max_model_len,
+            max_model_len=spec.max_model_len, fit_max_model_len=spec.fit_max_model_len,
             # Sized from the GPU's memory, the pool leaves room for the LoRA slots too.
             weights_bytes=weights_bytes + (self.loras.nbytes if self.loras is not None
                                            and self._auto_sized() else 0),

@@ -114,3 +114,29 @@ def test_a_gguf_served_from_its_blocks_counts_the_file_not_dense_weights(tmp_pat
     (tmp_path / "model" / "norms.safetensors").write_bytes(b"\0" * 100)
     save({"w": BlockSource("w", "Q4_K", 0, 4096, 32, 256, "q4_1")}, gguf, tmp_path / "model")
     assert memory.checkpoint_bytes(tmp_path / "model") == 4096 + 100
+
+
+def test_the_whole_context_by_default_lowered_to_what_the_pool_holds(tiny_dir, caplog):
+    """vLLM's default: the model's whole context (the tiny model's 1024 tokens); a pool too
+    small for one sequence of it lowers it, and the log says so and why. A length asked
+    for that the pool cannot hold is still refused."""
+    from app.config import EngineConfig
+    from app.engine.core import EngineCore
+
+    whole = EngineCore(EngineConfig.from_kwargs(model=str(tiny_dir), dtype="float32"))
+    try:
+        assert whole.max_model_len == 1024
+    finally:
+        whole.shutdown()
+    per_token = whole.kv_plan.bytes_per_token
+    small = dict(model=str(tiny_dir), dtype="float32", kv_cache_memory=512 * per_token)
+    with caplog.at_level("WARNING", logger="ridgeline.memory"):
+        core = EngineCore(EngineConfig.from_kwargs(**small))
+    try:
+        assert core.max_model_len == 512 == core.config.scheduler.max_model_len
+        assert core.kv_plan.max_model_len == 512
+    finally:
+        core.shutdown()
+    assert "max_model_len lowered from 1024 (the model's context) to 512" in caplog.text
+    with pytest.raises(ValueError, match="fewer than max_model_len=1024"):
+        EngineCore(EngineConfig.from_kwargs(**small, max_model_len=1024))

@@ -94,9 +94,14 @@ class EngineCore:
         self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
                                                     model_dir=str(self.model_dir),
                                                     draft_model_dir=draft_dir,
+                                                    fit_max_model_len=config.max_model_len is None,
                                                     **(spec.verify_shape() if spec else {})))
         runner = self.worker.wait_ready()
         self.kv_plan = runner.plan
+        if self.kv_plan.max_model_len < self.max_model_len:  # lowered to what the pool holds
+            self.max_model_len = self.kv_plan.max_model_len
+            self.config = replace(self.config, scheduler=replace(
+                self.config.scheduler, max_model_len=self.max_model_len))
         self.peaks, self.cost = runner.peaks, runner.cost  # the roofline (gpu/roofline.py)
         self.dtype = str(runner.dtype).removeprefix("torch.")
         self.loras = start_registry(self.config.lora, self.worker, [config.model_name])

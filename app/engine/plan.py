@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.config import DEFAULT_MAX_MODEL_LEN, CacheConfig, EngineConfig
+from app.config import CacheConfig, EngineConfig
 from gpu.memory import GiB, KVPlan, plan_kv_cache
 from gpu.roofline import DevicePeaks, ModelCost, StepCost, flop_rate
 from models.config import ModelConfig
@@ -26,10 +26,11 @@ from models.config import ModelConfig
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> int:
     """The served length: what was asked for (within the model's context), else the
-    model's context capped at DEFAULT_MAX_MODEL_LEN."""
+    model's whole context (vLLM's default; the KV plan lowers it, and says so, where the
+    pool cannot hold one sequence of it: `gpu/memory.py` `plan_kv_cache`)."""
     model_max = model_config.max_context_len
     if requested is None:
-        return min(model_max, DEFAULT_MAX_MODEL_LEN)
+        return model_max
     if requested > model_max:
         raise ValueError(f"max_model_len={requested} exceeds what the model allows: "
                          f"{model_config.context_note}")
@@ -140,7 +141,8 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
         weights_bytes=cost.weights_bytes, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=cache.num_blocks, total_device_bytes=total,
         gpu_memory_utilization=cache.gpu_memory_utilization,
-        sliding_window=model_config.uniform_window)
+        sliding_window=model_config.uniform_window,
+        fit_max_model_len=config.max_model_len is None)
     cost = ModelCost.from_config(model_config, dtype_bytes, plan.sliding_window,
                                  kv_dtype_bytes=kv_dtype_bytes)
     if measure_peaks and peaks is None:
