@@ -151,17 +151,23 @@ def test_required_calls_cut_by_max_tokens_with_the_real_model(smollm2):
         whole = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
         assert len(whole) == n_calls - 1
         calls: dict[int, list[str]] = {}
-        content, finish = "", None
+        content, finish, naive = "", None, []
         for chunk in client.chat.completions.create(max_tokens=cut, stream=True, **ask):
             for ch in chunk.choices:
                 content += ch.delta.content or ""
-                for tc in ch.delta.tool_calls or []:
+                entries = ch.delta.tool_calls or []
+                assert len({tc.index for tc in entries}) == len(entries)  # one an index
+                # What a naive client reads, `tool_calls[0]` of the chunk that opens a
+                # call: its whole arguments, not an empty string.
+                naive += [json.loads(tc.function.arguments) for tc in entries if tc.id]
+                for tc in entries:
                     call = calls.setdefault(tc.index, ["", ""])
                     call[0] += tc.function.name or ""
                     call[1] += tc.function.arguments or ""
                 finish = ch.finish_reason or finish
         assert finish == "length" and not content.strip(), content
         assert [tuple(calls[i]) for i in sorted(calls)] == whole
+        assert naive == [json.loads(args) for _, args in whole]
         assert all(json.loads(args)["city"] for _, args in whole)
     assert_idle_and_clean(smollm2)
 

@@ -53,12 +53,11 @@ def test_streamed_parsing_matches_whole_parsing_however_it_is_split(text, seed):
     for piece in pieces:
         c, deltas = stream.feed(piece)
         content += c
+        assert len({d["index"] for d in deltas}) == len(deltas)  # one entry an index
         for d in deltas:
             if "id" in d:
                 names[d["index"]] = d["function"]["name"]
-                args.setdefault(d["index"], "")
-            else:
-                args[d["index"]] += d["function"]["arguments"]
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
     content += stream.finish()
     whole_content, whole_calls = parse(text)
     assert content.strip() == (whole_content or "").strip()

@@ -184,8 +184,9 @@ class ToolCallStream:
     """Streamed text in, content and tool-call deltas out.
 
     A call is only a call once its block is closed (`</tool_call>`) and holds a JSON
-    object with a string `name`: then it is sent, as OpenAI streams a call (its id and
-    name with empty arguments, then the arguments), in one step. A block cut off by the
+    object with a string `name`: then it is sent whole, in one entry of its index (id,
+    name and arguments; OpenAI and vLLM send the id and name first and the arguments in
+    that entry or later ones, never two entries of one index in one chunk). A block cut off by the
     token limit or the end of the output is neither a call nor content: no client sees
     half a call (`{"city": "`) as a call or as text. A closed block that is not a call
     is text; with `parallel` false, calls after the first are dropped. Text after
@@ -253,9 +254,9 @@ class ToolCallStream:
             return "", []
         call = _call(*found)
         self.calls.append(call)
-        index = len(self.calls) - 1
-        return "", [{"index": index, **call, "function": {"name": found[0], "arguments": ""}},
-                    {"index": index, "function": {"arguments": found[1]}}]
+        # One entry for the call, id, name and arguments together: a chunk never holds
+        # two entries of one index, which clients that read `tool_calls[0]` would split.
+        return "", [{"index": len(self.calls) - 1, **call}]
 
     def finish(self, cut_off: bool = False) -> str:
         """Text still held back: a possible `<tool_call>` prefix that never completed,
