@@ -336,6 +336,9 @@ class ServerSettings:
     shutdown_timeout: float = setting(30.0, "seconds a SIGTERM drain waits for requests in "
                                       "flight before ending them with an error")
     log_stats_interval: float = setting(10.0, "seconds between stats lines (0: never)")
+    disable_uvicorn_access_log: bool = setting(
+        False, "no access line per HTTP request (method, path, status, duration, request "
+        "id, and an error answer's reason) in the log (vLLM's flag)")
     header_timeout: float = setting(10.0, "seconds a client may take to send a request's "
                                     "headers, and again its body (408 beyond)")
     # Deadlines (see app/engine/admission.py): off unless set here or sent by the client

@@ -13,6 +13,7 @@ import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.config import ServerSettings
 from app.engine.plan import offline_plan
 from tests.server_harness import ServerThread, tiny_config
 
@@ -77,9 +78,11 @@ class ContextRecorder(logging.Handler):
     def __init__(self):
         super().__init__()
         self.lines: list[tuple[str, dict]] = []
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append((record.getMessage(), structlog.contextvars.get_contextvars()))
+        self.records.append(record)
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +248,41 @@ def test_monitoring_profile():
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
     assert any(v.endswith(":/var/lib/grafana/dashboards:ro")
                for v in services["grafana"]["volumes"])
+
+
+def test_every_request_leaves_an_access_line_with_an_errors_reason(server):
+    """One line per request when it ends: method, path, status, duration, its request id,
+    and for an error answer the reason the client was given."""
+    before = len(server.recorder.lines)
+    bad = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "bad-1"},
+                     json={"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400
+    httpx.get(server.url + "/v1/models", headers={"X-Request-Id": "ok-1"})
+    httpx.get(server.url + "/nowhere", headers={"X-Request-Id": "lost-1"})
+    new = zip(server.recorder.lines[before:], server.recorder.records[before:])
+    lines = {ctx.get("x_request_id"): (msg, rec) for (msg, ctx), rec in new
+             if rec.name == "ridgeline.access"}
+    msg, rec = lines["bad-1"]
+    assert msg == "POST /v1/completions 400" and rec.status == 400 and rec.duration_ms >= 0
+    assert "max_tokens" in rec.error
+    assert lines["ok-1"][0] == "GET /v1/models 200" and not hasattr(lines["ok-1"][1], "error")
+    assert lines["lost-1"][0] == "GET /nowhere 404" and "no route" in lines["lost-1"][1].error
+
+
+def test_the_access_log_can_be_turned_off(tiny_dir):
+    """vLLM's `--disable-uvicorn-access-log`: no access line, the answers unchanged."""
+    recorder, logger = ContextRecorder(), logging.getLogger("ridgeline.access")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(recorder)
+    srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
+        log_stats_interval=0, disable_uvicorn_access_log=True)).start()
+    try:
+        assert httpx.get(srv.url + "/v1/models").status_code == 200
+        assert httpx.get(srv.url + "/nowhere").status_code == 404
+    finally:
+        srv.stop()
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+    assert recorder.records == []
+

@@ -96,7 +96,10 @@ def _require_json(request: Request) -> None:
                        "unsupported_media_type")
 
 
-def _error(e: APIError, shape: Callable[[APIError], dict] | None = None) -> JSONResponse:
+def _error(e: APIError, request: Request,
+           shape: Callable[[APIError], dict] | None = None) -> JSONResponse:
+    """The error's answer; its reason noted for the request's access line."""
+    request.state.error = e.message[:300]
     return JSONResponse(shape(e) if shape else e.body(), status_code=e.status,
                         headers=e.headers)
 
@@ -128,7 +131,7 @@ def endpoint(handler: Handler, needs_body: bool = True, operator: bool = False,
                 log.exception("unexpected error", extra={"path": request.url.path})
                 error = APIError(500, f"internal error: {type(e).__name__}", None,
                                  "server_error")
-            return _error(error, shape)
+            return _error(error, request, shape)
     return route
 
 
@@ -137,14 +140,14 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = {404: f"no route {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}
     return _error(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                           None, "invalid_request_error", headers=exc.headers))
+                           None, "invalid_request_error", headers=exc.headers), request)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     """The last resort: a bug outside a route's own handling is still a JSON 500."""
     log.error("unexpected error", exc_info=exc, extra={"path": request.url.path})
     response = _error(APIError(500, f"internal error: {type(exc).__name__}", None,
-                               "server_error"))
+                               "server_error"), request)
     if "request_id" in request.scope.get("state", {}):  # answered outside the middleware
         response.headers[HEADER] = request.scope["state"]["request_id"]
     return response
@@ -242,7 +245,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
             await st.engine.stop()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
-                    middleware=[Middleware(RequestIdMiddleware),
+                    middleware=[Middleware(RequestIdMiddleware,
+                                           access_log=not settings.disable_uvicorn_access_log),
                                 Middleware(HostCheckMiddleware, listen_host=settings.host,
                                            allowed_hosts=settings.allowed_hosts)],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
