@@ -14,6 +14,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """A crash in native code dumps every thread's stack to the terminal: pytest's own
+    fault handler writes to stderr as its capture has redirected it, a file the crash
+    takes with it, so CI's log would show only "Segmentation fault"."""
+    import faulthandler
+
+    capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing",
+                      None)
+    saved = getattr(getattr(capture, "err", None), "targetfd_save", None)
+    if isinstance(saved, int):
+        faulthandler.enable(file=os.fdopen(os.dup(saved), "w"), all_threads=True)
+
+
 # --- The real SmolLM2-135M-Instruct, shared by every test that needs it -------------
 # Imports stay inside the fixtures: transformers is slow to import, and tests that never
 # touch the real model should not pay for it.
