@@ -138,12 +138,10 @@ class OutputAssembler:
     def _deltas(self, deltas: list[dict]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for delta in deltas:
-            if "id" in delta:  # a new call: its name and id, then its arguments in pieces
+            if "id" in delta:  # a new call: its name and id, then its arguments
                 events += self._close_message("completed") + self._close_call("completed")
                 events += self._open_call(delta["id"], delta["function"]["name"])
-            # A new call's own delta shares its arguments with the parser, which has
-            # appended this feed's pieces to them already: the pieces come as deltas.
-            piece = "" if "id" in delta else delta["function"].get("arguments", "")
+            piece = delta["function"].get("arguments", "")
             if self._call is not None and not self._call["arguments"]:
                 piece = piece.lstrip()  # where the head ends depends on the chunking
             if piece and self._call is not None:
