@@ -186,9 +186,9 @@ class ToolCallStream:
     A call is only a call once its block is closed (`</tool_call>`) and holds a JSON
     object with a string `name`: then it is sent whole, in one entry of its index (id,
     name and arguments; OpenAI and vLLM send the id and name first and the arguments in
-    that entry or later ones, never two entries of one index in one chunk). A block cut off by the
-    token limit or the end of the output is neither a call nor content: no client sees
-    half a call (`{"city": "`) as a call or as text. A closed block that is not a call
+    that entry or later ones, never two entries of one index in one chunk). A block cut
+    off by the token limit or the end of the output is neither a call nor content: no
+    client sees half a call (`{"city": "`) as a call or as text. A closed block that is not a call
     is text; with `parallel` false, calls after the first are dropped. Text after
     `<tool_call>` that does not start like a call (`{"name": ..., "arguments": ...`)
     within 512 characters is text too."""
