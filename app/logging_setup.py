@@ -15,6 +15,24 @@ import logging
 import sys
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when a line is logged, unless given a
+    stream: a process that swaps stderr (pytest's capture, a daemon's redirect) never has
+    its lines written to a stream it has closed."""
+
+    def __init__(self):
+        self._given = None
+        super().__init__()
+
+    @property
+    def stream(self):
+        return self._given if self._given is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        self._given = None if value is sys.stderr else value
+
+
 def configure_logging(json_lines: bool | None = None, level: int = logging.INFO) -> None:
     try:
         import structlog
@@ -39,7 +57,7 @@ def configure_logging(json_lines: bool | None = None, level: int = logging.INFO)
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]
