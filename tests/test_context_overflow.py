@@ -42,6 +42,11 @@ def test_openai_routes_say_context_length_exceeded(server):
         assert f"This model's maximum context length is {LEN} tokens. However, you " \
                "requested" in e.value.message, route
         assert "in the messages, 8 in the completion" in e.value.message, route
+    # Without max_tokens (what most clients send): the same answer, one token asked for.
+    bare = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": LONG}]})
+    assert bare.status_code == 400 and bare.json()["error"]["code"] == "context_length_exceeded"
+    assert bare.json()["error"]["param"] == "prompt"
     # The prompt fits, the prompt and max_tokens do not: the same code, param max_tokens.
     fits = httpx.post(server.url + "/v1/completions", json={
         "model": "tiny", "prompt": [5] * 200, "max_tokens": 100})

@@ -64,23 +64,17 @@ def test_pairs_written_without_panel_levels_are_those_written_beside_them():
     assert all(torch.equal(a, b) for a, b in zip(codes, with_levels.codes, strict=True))
 
 
-@needs_dot
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_the_dot_kernel_reads_codes_as_it_reads_float32(rows):
+@pytest.mark.parametrize("op,rows", [*(("q4_1_linear_bf16", r) for r in (1, 2, 3, 4)),
+                                     *(("q4_1_linear_amx", r) for r in (4, 17, 40))])
+def test_the_paired_kernels_read_codes_as_they_read_float32(op, rows):
+    """The bf16 dot kernel (few rows) and the AMX tile kernel (more)."""
+    if CAPS is None or not CAPS.has(op) or (op.endswith("amx") and not CAPS.amx):
+        pytest.skip(f"needs {op}")
     blocks, _ = read_q4_k(72, 768, seed=rows)
     x = torch.randn(rows, 768).bfloat16()
-    f32 = KERNELS.q4_1_linear_bf16(x, blocks.dot, *blocks.tensors[1:], 72)
-    coded = KERNELS.q4_1_linear_bf16(x, blocks.dot, *blocks.codes, 72)
-    assert torch.equal(f32, coded)
-
-
-@pytest.mark.skipif(CAPS is None or not CAPS.amx, reason="needs AMX")
-@pytest.mark.parametrize("rows", [4, 17, 40])
-def test_the_amx_kernel_reads_codes_as_it_reads_float32(rows):
-    blocks, _ = read_q4_k(72, 768, seed=rows)
-    x = torch.randn(rows, 768).bfloat16()
-    f32 = KERNELS.q4_1_linear_amx(x, blocks.dot, *blocks.tensors[1:], 72)
-    coded = KERNELS.q4_1_linear_amx(x, blocks.dot, *blocks.codes, 72)
+    kernel = getattr(KERNELS, op)
+    f32 = kernel(x, blocks.dot, *blocks.tensors[1:], 72)
+    coded = kernel(x, blocks.dot, *blocks.codes, 72)
     assert torch.equal(f32, coded)
 
 
