@@ -12,7 +12,8 @@ matmul libraries.
 
 Kept formats, the three the kernels read: Q4_1 (32 weights in 16 bytes of nibbles, a
 scale `d` and minimum `m`: w = d*q + m), Q8_0 (32 int8, one scale: w = d*q) and Q8_16
-(int8 with a scale per 16). The GGUF types the kernels serve (Q4_0, Q4_1, Q4_K, Q5_0,
+(int8 levels in [-32, 31], a scale per 16 given as an int8 code times a float32 scale
+per 256: w = (code * super) * q). The GGUF types the kernels serve (Q4_0, Q4_1, Q4_K, Q5_0,
 Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS) are rewritten into one of them as they are read,
 exactly (`models/gguf_repack.py`, and its C++ twin `gguf_repack` in the CPU kernels);
 types with no rewrite are not kept: those layers use the dense weights.
@@ -48,12 +49,14 @@ FORMATS = ("q4_1", "q8_0", "q8_16")
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """One [N, K] weight as blocks: `mins` is None for Q8_0."""
+    """One [N, K] weight as blocks: `mins` is Q4_1's alone; Q8_16's `scales` are int8
+    codes [N, K/16], each scaled by its 256 weights' `supers` [N, K/256]."""
 
     format: str
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    supers: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -66,7 +69,8 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.mins) if t is not None)
+                   for t in (self.qweight, self.scales, self.mins, self.supers)
+                   if t is not None)
 
     def dequantize(self) -> torch.Tensor:
         """The [N, K] float32 weight the blocks encode, as gguf-py computes it (`d * q`,
@@ -78,16 +82,27 @@ class QuantizedWeight:
             return (self.scales[..., None] * levels + self.mins[..., None]).reshape(rows, -1)
         per_scale = self.qweight.shape[1] // self.scales.shape[1]  # 32, or 16 for q8_16
         levels = self.qweight.view(rows, -1, per_scale).float()
-        return (levels * self.scales[..., None]).reshape(rows, -1)
+        return (levels * self.float_scales()[..., None]).reshape(rows, -1)
+
+    def float_scales(self) -> torch.Tensor:
+        """The float32 scale of each run of weights: Q8_16's code times its super-block
+        scale (an f16 value times a small integer: exact)."""
+        if self.supers is None:
+            return self.scales
+        return self.scales.float() * self.supers.repeat_interleave(
+            self.scales.shape[1] // self.supers.shape[1], dim=1)
 
     @staticmethod
     def stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row-wise concatenation (q, k, v into qkv): rows are independent."""
         if len({p.format for p in parts}) != 1:
             raise ValueError("cannot fuse weights quantized in different formats")
-        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-        return QuantizedWeight(parts[0].format, torch.cat([p.qweight for p in parts]),
-                               torch.cat([p.scales for p in parts]), mins)
+        def cat(field: str) -> torch.Tensor | None:
+            first = getattr(parts[0], field)
+            return None if first is None else torch.cat([getattr(p, field) for p in parts])
+
+        return QuantizedWeight(parts[0].format, *map(cat, ("qweight", "scales", "mins",
+                                                           "supers")))
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,8 @@ class BlockSource:
 
 
 # repack(type name, raw uint8 [rows, bytes], source rows int64 [rows] or None)
-# -> [qweight, scales, mins (empty for q8_0 / q8_16)]: the CPU kernels' `gguf_repack`.
+# -> [qweight, scales, mins (Q4_1) or supers (Q8_16), else empty]: the CPU kernels'
+# `gguf_repack`.
 Repack = Callable[[str, torch.Tensor, torch.Tensor | None], list[torch.Tensor]]
 
 
@@ -136,13 +152,15 @@ class GGUFBlocks(Mapping[str, QuantizedWeight]):
             if self.repack is not None:
                 q, d, m = self.repack(src.type_name, torch.from_numpy(raw),
                                       None if rows is None else torch.from_numpy(rows))
-                return QuantizedWeight(src.format, q, d, m if src.format == "q4_1" else None)
+                return QuantizedWeight(src.format, q, d, m if src.format == "q4_1" else None,
+                                       m if src.format == "q8_16" else None)
             fmt, arrays = gguf_repack.repack(src.type_name, raw, src.out_features)
             # Copies (row-reordered or not): nothing may keep the mapping alive.
             arrays = {k: np.array(v if rows is None else v[rows]) for k, v in arrays.items()}
+        optional = {k: torch.from_numpy(arrays[k]) if k in arrays else None
+                    for k in ("mins", "supers")}
         return QuantizedWeight(fmt, torch.from_numpy(arrays["qweight"]),
-                               torch.from_numpy(arrays["scales"]),
-                               torch.from_numpy(arrays["mins"]) if "mins" in arrays else None)
+                               torch.from_numpy(arrays["scales"]), **optional)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)

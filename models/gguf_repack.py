@@ -2,7 +2,8 @@
 
 The CPU kernels read three block formats (`models/gguf_blocks.py`): `q4_1`, 32 levels
 of 4 bits with a float32 scale and minimum (w = d*q + m); `q8_0`, 32 int8 levels with a
-float32 scale (w = d*q); `q8_16`, int8 levels with a float32 scale per 16. The types
+float32 scale (w = d*q); `q8_16`, int8 levels in [-32, 31] with a scale per 16 given as an
+int8 code times a float32 scale per 256 (w = (code * super) * q). The types
 llama.cpp users ship are these in other clothes, so they are rewritten as a load reads
 them rather than given kernels of their own (this module is the reference and the
 portable path; `gpu/cpu/kernels/gguf_repack.cpp` does the same in one pass where the CPU
@@ -15,17 +16,20 @@ kernels are built):
 | Q5_0 | q8_0 | the 5-bit level minus 16 as int8 |
 | IQ4_NL | q8_0 | the 4-bit index looked up in the type's 16 int8 values |
 | IQ4_XS | q8_0 | per 32: d = d_f16 * (6-bit scale - 32), levels looked up as IQ4_NL |
-| Q6_K | q8_16 | per 16: d = d_f16 * (int8 scale); the 6-bit level minus 32 |
-| Q3_K | q8_16 | per 16: d = d_f16 * (6-bit scale - 32); 3-bit level, -4 where hmask is clear |
+| Q6_K | q8_16 | code = the int8 scale, super = d_f16; the 6-bit level minus 32 |
+| Q3_K | q8_16 | code = 6-bit scale - 32, super = d_f16; 3-bit level, -4 where hmask is clear |
 
 Exactness: gguf-py dequantizes each of these in float32 as `d * q` (and `- dm`), with d
 and dm themselves products of an f16 and a small integer, exact in float32. Every scale
-and minimum here is that same product and every level that same integer, so each weight
+and minimum here is that same product (q8_16 keeps its two factors and multiplies them
+where a weight is computed) and every level that same integer, so each weight
 the kernels compute (`d * q + m`, or `q * d`) is gguf-py's bit for bit
 (`tests/test_gguf_types.py` checks every type against `gguf.quants.dequantize`).
-The cost is bytes: a Q4_K weight takes 0.75 bytes in q4_1 against 0.5625 in the file,
-an IQ4 or Q5_0 one 1.125 against ~0.56-0.69, a Q6_K or Q3_K one 1.25 against 0.82 or
-0.43.
+The cost is bytes: a Q4_K weight takes 0.75 bytes in q4_1 against 0.5625 in the file
+(the CPU kernels read a Q4_K's own scale codes instead: `q4_1_scales.h`), an IQ4 or Q5_0
+one 1.125 against ~0.56-0.69. A q8_16 weight takes 1.08 bytes in row order; the CPU
+kernels' panels pack its levels to 6 bits (`gpu/cpu/panel_blocks.py`), 0.83 bytes, as
+a Q6_K file's 0.82 (a Q3_K's 0.43).
 
 Types not listed (Q5_1, Q2_K, Q5_K, the other IQ types) are not kept as blocks: those
 weights are served from the dequantized checkpoint, and the conversion says so with
@@ -47,7 +51,7 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 
 # format -> its arrays per row: q4_1 {"qweight": uint8 [K/2], "scales", "mins": f32 [K/32]},
 # q8_0 {"qweight": int8 [K], "scales": f32 [K/32]}, q8_16 {"qweight": int8 [K], "scales":
-# f32 [K/16]}.
+# int8 codes [K/16], "supers": f32 [K/256]}.
 Arrays = dict[str, np.ndarray]
 
 
@@ -136,8 +140,8 @@ def _q6_k(blocks: np.ndarray) -> Arrays:
     qh = qh.reshape(*qh.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
     levels = (ql | ((qh & 3) << 4)).astype(np.int16) - 32
     shape = (*blocks.shape[:-2], -1)
-    return {"qweight": levels.reshape(shape),
-                     "scales": (d[..., None] * sc.astype(np.float32)).reshape(shape)}
+    return {"qweight": levels.reshape(shape), "scales": sc.reshape(shape),
+            "supers": d.reshape(shape)}
 
 
 def _q3_k(blocks: np.ndarray) -> Arrays:
@@ -148,7 +152,7 @@ def _q3_k(blocks: np.ndarray) -> Arrays:
     high = packed[..., 8:12].reshape(*packed.shape[:-1], 1, 4) >> np.array(
         [0, 2, 4, 6], np.uint8).reshape(4, 1)
     scale = ((low.reshape(*packed.shape[:-1], 16) & 0x0F)
-             | ((high.reshape(*packed.shape[:-1], 16) & 3) << 4)).astype(np.float32) - 32
+             | ((high.reshape(*packed.shape[:-1], 16) & 3) << 4)).astype(np.int16) - 32
     low2 = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8
                                                             ).reshape(4, 1)
     bit = hmask.reshape(*hmask.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
@@ -156,8 +160,8 @@ def _q3_k(blocks: np.ndarray) -> Arrays:
     bit = (bit & 1).reshape(*blocks.shape[:-1], 256).astype(np.int16)
     levels = low2 - ((bit ^ 1) << 2)  # 4 is taken away where the high bit is clear
     shape = (*blocks.shape[:-2], -1)
-    return {"qweight": levels.reshape(shape),
-                     "scales": (d[..., None] * scale).reshape(shape)}
+    return {"qweight": levels.reshape(shape), "scales": scale.reshape(shape),
+            "supers": d.reshape(shape)}
 
 
 def undo_qk_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -204,7 +208,8 @@ def repack(type_name: str, raw: np.ndarray, rows: int) -> tuple[str, Arrays] | N
         return None
     fmt, _, per_block, rewrite = entry
     arrays = rewrite(np.asarray(raw, dtype=np.uint8).reshape(rows, -1, per_block))
-    dtypes = {"qweight": np.uint8 if fmt == "q4_1" else np.int8, "scales": np.float32,
-              "mins": np.float32}
+    dtypes = {"qweight": np.uint8 if fmt == "q4_1" else np.int8,
+              "scales": np.int8 if fmt == "q8_16" else np.float32, "mins": np.float32,
+              "supers": np.float32}
     return fmt, {k: np.ascontiguousarray(v.reshape(rows, -1), dtype=dtypes[k])
                  for k, v in arrays.items()}

@@ -58,7 +58,7 @@ def gguf_values(type_name: str, raw: np.ndarray, rows: int) -> torch.Tensor:
 def rewritten(type_name: str, raw: np.ndarray, rows: int) -> QuantizedWeight:
     fmt, arrays = gguf_repack.repack(type_name, raw, rows)
     t = {k: torch.from_numpy(v) for k, v in arrays.items()}
-    return QuantizedWeight(fmt, t["qweight"], t["scales"], t.get("mins"))
+    return QuantizedWeight(fmt, t["qweight"], t["scales"], t.get("mins"), t.get("supers"))
 
 
 @pytest.mark.parametrize("type_name", sorted(gguf_repack.REPACKERS))
@@ -214,7 +214,8 @@ def test_the_cpp_rewrite_is_the_reference_bit_for_bit(type_name):
         pick = slice(None) if source_rows is None else order
         assert q.numpy().tobytes() == ref["qweight"][pick].tobytes()
         assert d.numpy().tobytes() == ref["scales"][pick].tobytes()
-        assert m.numpy().tobytes() == (ref["mins"][pick].tobytes() if fmt == "q4_1" else b"")
+        third = {"q4_1": "mins", "q8_16": "supers"}.get(fmt)  # q8_0: none
+        assert m.numpy().tobytes() == (ref[third][pick].tobytes() if third else b"")
 
 
 def test_a_converted_gguf_keeps_no_copy_of_its_blocks(k_quant_gguf, tmp_path):
@@ -265,16 +266,16 @@ def test_panels_written_straight_from_the_gguf_are_the_row_orders(type_name):
     rows = [rewritten(type_name, parts[0], 32), rewritten(type_name, parts[1][order], 40)]
     reference = PanelBlocks.of(QuantizedWeight.stack(rows))
     fmt = reference.format
-    levels, scales, *rest = (torch.full_like(t, 7) for t in reference.tensors)  # not zeros
-    mins = rest[0] if rest else None
+    levels, *rest = (torch.full_like(t, 7) for t in reference.tensors)  # not zeros
+    # Q8_16's scales are its codes and supers; the others' float32 scales (and mins).
+    scales, mins, codes = ((None, None, rest) if fmt == "q8_16"
+                           else (rest[0], rest[1] if len(rest) > 1 else None, (None, None)))
     dot = torch.full((3, k // 32, 4, 32), 7, dtype=torch.int32) if fmt == "q4_1" else None
     for raw, source_rows, row0 in ((parts[0], None, 0), (parts[1], order, 32)):
         KERNELS.gguf_repack_panels_(type_name, torch.from_numpy(raw), None if source_rows
                                     is None else torch.from_numpy(source_rows),
-                                    levels.view(3, -1, 32), scales, mins, dot, None, None,
-                                    row0)
-    got = (levels, scales) if mins is None else (levels, scales, mins)
-    for a, b in zip(got, reference.tensors, strict=True):
+                                    levels.view(3, -1, 32), scales, mins, dot, *codes, row0)
+    for a, b in zip((levels, *rest), reference.tensors, strict=True):
         assert a.numpy().tobytes() == b.numpy().tobytes()
     if dot is not None:
         assert torch.equal(dot, reference.dot_pairs(KERNELS))

@@ -15,6 +15,7 @@ from models.gguf_blocks import BLOCK, GGUFBlocks, QuantizedWeight
 from models.gguf_repack import QK_K
 
 PANEL = 32  # output rows per panel of the kernels' layout
+Q8_16_PACKED = 24  # bytes of a Q8_16 block's 32 levels packed to 6 bits
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class PanelBlocks:
 
     format: str
     out_features: int
-    tensors: tuple[torch.Tensor, ...]  # qweight, scales[, mins]
+    # qweight, scales[, mins]; Q8_16's: levels packed to 6 bits, codes, supers
+    # (`gpu/cpu/kernels/q8_16_blocks.h`).
+    tensors: tuple[torch.Tensor, ...]
     # Q4_1's levels as the dot and AMX kernels read them, where `read` wrote them.
     dot: torch.Tensor | None = None
     # A Q4_K's own scale codes, for those kernels in place of the float32 scales and mins
@@ -64,16 +67,20 @@ class PanelBlocks:
             return None
         n, k = sum(s.out_features for s in sources), sources[0].in_features
         panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
+        level_bytes = {"q4_1": BLOCK // 2, "q8_0": BLOCK, "q8_16": Q8_16_PACKED}[fmt]
         panel_levels = torch.empty(
-            (panels, k // BLOCK, BLOCK // 2 if fmt == "q4_1" else BLOCK, PANEL) if levels else 0,
-            dtype=torch.uint8 if fmt == "q4_1" else torch.int8)
+            (panels, k // BLOCK, level_bytes, PANEL) if levels or fmt == "q8_16" else 0,
+            dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
         pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
             if dot and fmt == "q4_1" else None
         coded = pairs is not None and all(s.type_name == "Q4_K" for s in sources)
         codes = (torch.empty(panels, k // BLOCK, 2, PANEL, dtype=torch.uint8),
                  torch.empty(panels, k // QK_K, 2, PANEL)) if coded else (None, None)
+        if fmt == "q8_16":  # its scales are codes and supers, always
+            codes = (torch.empty(panels, k // 16, PANEL, dtype=torch.int8),
+                     torch.empty(panels, k // QK_K, PANEL))
         # Float32 scales for the panels' kernels, or for the pairs' where no codes are.
-        floats = levels or not coded
+        floats = (levels or not coded) and fmt != "q8_16"
         scales = torch.empty(panels, k // per_scale, PANEL) if floats else torch.empty(0)
         mins = torch.empty_like(scales) if fmt == "q4_1" else None
         row0 = 0
@@ -81,9 +88,11 @@ class PanelBlocks:
             with blocks.mapped(name) as (raw, rows):
                 op(src.type_name, torch.from_numpy(raw), None if rows is None
                    else torch.from_numpy(rows), panel_levels.view(panels, -1, PANEL)
-                   if levels else None, scales if floats else None,
+                   if panel_levels.numel() else None, scales if floats else None,
                    mins if floats else None, pairs, *codes, row0)
             row0 += src.out_features
+        if fmt == "q8_16":
+            return PanelBlocks(fmt, n, (panel_levels, *codes))
         kept = (panel_levels, scales) if mins is None else (panel_levels, scales, mins)
         return PanelBlocks(fmt, n, kept, pairs, codes if coded else None)
 
@@ -108,10 +117,12 @@ class PanelBlocks:
             pad = panels * PANEL - n
             return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
-        per_block = q.qweight.shape[1] // blocks  # bytes: 16 (Q4_1) or 32 (Q8_0)
-        qweight = padded(q.qweight).view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
+        # Q8_16's filling rows are level 0 packed, as the load's pass writes them.
+        levels = packed6(padded(q.qweight)) if q.format == "q8_16" else padded(q.qweight)
+        per_block = levels.shape[1] // blocks  # bytes: 16 (Q4_1), 32 (Q8_0) or 24 (Q8_16)
+        qweight = levels.view(panels, PANEL, blocks, per_block).permute(0, 2, 3, 1)
         rest = [padded(t).view(panels, PANEL, t.shape[1]).permute(0, 2, 1)
-                for t in (q.scales, q.mins) if t is not None]  # Q8_16: 2 scales a block
+                for t in (q.scales, q.mins, q.supers) if t is not None]
         return PanelBlocks(q.format, n, tuple(t.contiguous() for t in (qweight, *rest)))
 
     def dot_pairs(self, kernels=None) -> torch.Tensor:
@@ -152,6 +163,20 @@ class PanelBlocks:
         """Bytes the panels hold (not counting `dot`), with the codes."""
         codes = 0 if self.codes is None else sum(t.nbytes for t in self.codes)
         return sum(t.numel() * t.element_size() for t in self.tensors) + codes
+
+
+def packed6(levels: torch.Tensor) -> torch.Tensor:
+    """Q8_16's int8 levels [N, K] (in [-32, 31]) packed to 6 bits, [N, K/32 * 24] uint8, as
+    the kernels read them (`q8_16_blocks.h`; the C++ load writes the same, `pack6`): per
+    block of 32, with u = level + 32, bytes j < 16 hold u[j] & 15 | (u[j + 16] & 15) << 4,
+    bytes 16 + i the top two bits of u[i + 8f] at bits 2f."""
+    if levels.numel() and (int(levels.min()) < -32 or int(levels.max()) > 31):
+        raise ValueError("q8_16 levels must lie in [-32, 31] to pack to 6 bits")
+    u = (levels.to(torch.int16) + 32).view(levels.shape[0], -1, BLOCK)
+    low = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
+    shifts = (2 * torch.arange(4, dtype=torch.int16)).view(4, 1)
+    top = ((u >> 4).view(*u.shape[:2], 4, 8) << shifts).sum(2)
+    return torch.cat([low, top], dim=-1).to(torch.uint8).view(levels.shape[0], -1)
 
 
 def dequantized(q: QuantizedWeight, kernels) -> torch.Tensor:

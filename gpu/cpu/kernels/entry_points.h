@@ -38,8 +38,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const at::Tensor& mins, int64_t N);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        int64_t N);
-at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& qweight,
-                        const at::Tensor& scales, int64_t N);
+at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& codes,
+                        const at::Tensor& supers, int64_t N);
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KERNELS_Q4_1_LINEAR_BF16

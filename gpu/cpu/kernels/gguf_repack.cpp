@@ -53,12 +53,26 @@ const int64_t* row_order(const std::optional<at::Tensor>& source_rows, int64_t N
   return order;
 }
 
+bool is(const Type& type, const char* format) { return std::string(type.format) == format; }
+
 // Bytes of levels and count of scales per row of a K-wide weight in `type`'s format.
-int64_t level_bytes(const Type& type, int64_t K) {
-  return std::string(type.format) == "q4_1" ? K / 2 : K;
-}
-int64_t scale_count(const Type& type, int64_t K) {
-  return K / (std::string(type.format) == "q8_16" ? 16 : 32);
+int64_t level_bytes(const Type& type, int64_t K) { return is(type, "q4_1") ? K / 2 : K; }
+int64_t scale_count(const Type& type, int64_t K) { return K / (is(type, "q8_16") ? 16 : 32); }
+
+// A q8_16 block's 32 int8 levels (in [-32, 31]) packed to 6 bits, the panels' layout
+// (q8_16_blocks.h): with u = level + 32, bytes j < 16 hold u[j]'s low 4 bits and
+// u[j + 16]'s in the high nibble, bytes 16 + i (i < 8) the top 2 bits of u[i + 8f] at
+// bits 2f (f < 4).
+constexpr int64_t kPacked6 = 24;  // bytes per 32 levels
+void pack6(const int8_t* levels, uint8_t* out) {
+  uint8_t u[32];
+  for (int j = 0; j < 32; ++j) u[j] = static_cast<uint8_t>(levels[j] + 32);
+  for (int j = 0; j < 16; ++j) out[j] = (u[j] & 0x0F) | ((u[j + 16] & 0x0F) << 4);
+  for (int i = 0; i < 8; ++i) {
+    uint8_t high = 0;
+    for (int f = 0; f < 4; ++f) high |= (u[i + 8 * f] >> 4) << (2 * f);
+    out[16 + i] = high;
+  }
 }
 
 void check_out(const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape,
@@ -73,28 +87,34 @@ void check_out(const at::Tensor& t, at::ScalarType dtype, std::vector<int64_t> s
 namespace kernels {
 
 // raw: uint8 [N_source, bytes per row], the tensor as the GGUF stores it. Returns
-// [qweight, scales, mins] (mins empty for q8_0 / q8_16).
+// [qweight, scales, mins]: q4_1's float32 scales and mins; q8_0's float32 scales (mins
+// empty); q8_16's int8 scale codes and, in the third place, its float32 supers.
 std::vector<at::Tensor> gguf_repack(const std::string& type_name, const at::Tensor& raw,
                                     const std::optional<at::Tensor>& source_rows) {
   const Type& type = find_type(type_name, raw, "gguf_repack");
   const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
   const int64_t K = blocks * type.weights;
   const int64_t* order = row_order(source_rows, N, "gguf_repack");
-  const bool nibbles = std::string(type.format) == "q4_1";
+  const bool nibbles = is(type, "q4_1"), coded = is(type, "q8_16");
   auto bytes = raw.options();
   at::Tensor q = at::empty({N, level_bytes(type, K)},
                            bytes.dtype(nibbles ? at::kByte : at::kChar));
-  at::Tensor d = at::empty({N, scale_count(type, K)}, bytes.dtype(at::kFloat));
-  at::Tensor m = at::empty(nibbles ? d.sizes() : at::IntArrayRef{0}, bytes.dtype(at::kFloat));
+  at::Tensor d = at::empty({N, scale_count(type, K)}, bytes.dtype(coded ? at::kChar : at::kFloat));
+  at::Tensor m = at::empty(nibbles ? d.sizes() : coded ? at::IntArrayRef{N, K / kQK}
+                                                       : at::IntArrayRef{0},
+                           bytes.dtype(at::kFloat));
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* qp = static_cast<uint8_t*>(q.mutable_data_ptr());
-  float* dp = d.mutable_data_ptr<float>();
-  float* mp = nibbles ? m.mutable_data_ptr<float>() : nullptr;
-  const int64_t q_row = q.size(1), d_row = d.size(1);
+  void* dp = d.mutable_data_ptr();
+  float* mp = m.numel() ? m.mutable_data_ptr<float>() : nullptr;
+  const int64_t q_row = q.size(1), d_row = d.size(1), m_row = m.numel() ? m.size(1) : 0;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
-      const Row out{qp + r * q_row, dp + r * d_row, mp ? mp + r * d_row : nullptr};
+      const Row out = coded ? Row{qp + r * q_row, nullptr, nullptr,
+                                  static_cast<uint8_t*>(dp) + r * d_row, mp + r * m_row}
+                            : Row{qp + r * q_row, static_cast<float*>(dp) + r * d_row,
+                                  mp ? mp + r * m_row : nullptr};
       for (int64_t b = 0; b < blocks; ++b) type.rewrite(row + b * type.bytes, out, b);
     }
   });
@@ -145,13 +165,14 @@ void transpose_panel(const uint8_t* rows, int64_t cols, uint8_t* panel) {
 // row0 + N of tensors that may hold several weights stacked (q, k, v): one pass from the
 // mapped file instead of a row-order copy, a stack and a transpose, each a fresh
 // allocation. row0 must start a panel; rows past N in the last panel are zeros.
-// levels: [P, level bytes, 32] (uint8 q4_1, int8 q8_0 / q8_16), or None where the layer
-// keeps no panel levels; scales, mins: [P, scales, 32] float32 (mins None but for q4_1),
-// or None where a Q4_K's codes stand for them;
-// dot: q4_1's levels regrouped for the kernels that read them so (the bf16 dot product
-// and the AMX tile kernel), [P, K/32, 4, 32] int32 (quant_linear_bf16.cpp
+// levels: [P, level bytes, 32] (uint8 q4_1, int8 q8_0, uint8 q8_16 packed to 6 bits:
+// `pack6`), or None where the layer keeps no panel levels; scales, mins: [P, scales, 32]
+// float32 (mins None but for q4_1), or None where codes stand for them (always for
+// q8_16); dot: q4_1's levels regrouped for the kernels that read them so (the bf16 dot
+// product and the AMX tile kernel), [P, K/32, 4, 32] int32 (quant_linear_bf16.cpp
 // `q4_1_dot_pairs`), or None. codes, supers: a Q4_K's own scale codes as those kernels
-// read them (q4_1_scales.h), uint8 [P, K/32, 2, 32] and float32 [P, K/256, 2, 32], or None.
+// read them (q4_1_scales.h), uint8 [P, K/32, 2, 32] and float32 [P, K/256, 2, 32]; a
+// q8_16's, int8 [P, K/16, 32] and float32 [P, K/256, 32]; or None.
 void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
                          const std::optional<at::Tensor>& source_rows,
                          const std::optional<at::Tensor>& levels,
@@ -164,7 +185,9 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   const Type& type = find_type(type_name, raw, op);
   const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
   const int64_t K = blocks * type.weights, cols = level_bytes(type, K);
-  const bool nibbles = std::string(type.format) == "q4_1";
+  const bool nibbles = is(type, "q4_1"), coded = is(type, "q8_16");
+  // Bytes of a row's levels in the panel: q8_16's packed to 6 bits.
+  const int64_t panel_cols = coded ? K / 32 * kPacked6 : cols;
   const std::optional<at::Tensor>* first = scales ? &scales : levels ? &levels : dot ? &dot : &codes;
   TORCH_CHECK(first->has_value(), op, ": nothing to write");
   const int64_t S = scale_count(type, K), P = (*first)->size(0);
@@ -175,26 +198,32 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   TORCH_CHECK(mins.has_value() == (nibbles && scales.has_value()), op,
               ": mins come with q4_1's scales alone");
   if (mins) check_out(*mins, at::kFloat, {P, S, 32}, "mins");
-  if (levels) check_out(*levels, nibbles ? at::kByte : at::kChar, {P, cols, 32}, "levels");
+  if (levels) check_out(*levels, is(type, "q8_0") ? at::kChar : at::kByte, {P, panel_cols, 32},
+                       "levels");
   TORCH_CHECK(!dot || nibbles, op, ": the dot pairs are q4_1's alone");
-  TORCH_CHECK(codes.has_value() == supers.has_value() && (!codes || type_name == "Q4_K"), op,
-              ": codes and supers come together, from Q4_K alone");
-  if (codes) check_out(*codes, at::kByte, {P, K / 32, 2, 32}, "codes");
-  if (supers) check_out(*supers, at::kFloat, {P, K / kQK, 2, 32}, "supers");
+  TORCH_CHECK(codes.has_value() == supers.has_value() &&
+                  (!codes || type_name == "Q4_K" || coded) && (!coded || codes),
+              op, ": codes and supers come together, from Q4_K or q8_16 (which has no others)");
+  TORCH_CHECK(!coded || !scales, op, ": q8_16 has codes, not float32 scales");
+  if (codes && coded) check_out(*codes, at::kChar, {P, K / 16, 32}, "codes");
+  if (supers && coded) check_out(*supers, at::kFloat, {P, K / kQK, 32}, "supers");
+  if (codes && !coded) check_out(*codes, at::kByte, {P, K / 32, 2, 32}, "codes");
+  if (supers && !coded) check_out(*supers, at::kFloat, {P, K / kQK, 2, 32}, "supers");
   if (dot) check_out(*dot, at::kInt, {P, K / 32, 4, 32}, "dot");
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* lp = levels ? static_cast<uint8_t*>(levels->mutable_data_ptr()) : nullptr;
   float* sp = scales ? scales->mutable_data_ptr<float>() : nullptr;
   float* mp = mins ? mins->mutable_data_ptr<float>() : nullptr;
   uint32_t* dp = dot ? reinterpret_cast<uint32_t*>(dot->mutable_data_ptr<int32_t>()) : nullptr;
-  uint8_t* cp = codes ? codes->mutable_data_ptr<uint8_t>() : nullptr;
+  uint8_t* cp = codes ? static_cast<uint8_t*>(codes->mutable_data_ptr()) : nullptr;
   float* up = supers ? supers->mutable_data_ptr<float>() : nullptr;
-  const int64_t C = K / 32 * 2, U = K / kQK * 2;  // a row's codes and supers
+  // A row's codes and supers.
+  const int64_t C = coded ? K / 16 : K / 32 * 2, U = coded ? K / kQK : K / kQK * 2;
   const int64_t panels = (N + 31) / 32;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     // The levels of a panel's 32 rows, row by row, where they are kept (transposed into
     // the panel at its end), else of the one row in hand.
-    std::vector<uint8_t> rows_q(lp ? 32 * cols : cols);
+    std::vector<uint8_t> rows_q(lp ? 32 * cols : cols), packed(lp && coded ? 32 * panel_cols : 0);
     std::vector<float> d(S), m(nibbles ? S : 0), row_supers(cp ? U : 0);
     std::vector<uint8_t> row_codes(cp ? C : 0);
     for (int64_t local = begin; local < end; ++local) {
@@ -206,8 +235,9 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
         const bool direct = r < N && dp && !lp && type_name == "Q4_K";
         if (r < N) {
           const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
-          const Row out{direct ? nullptr : q, d.data(), nibbles ? m.data() : nullptr,
-                        cp ? row_codes.data() : nullptr, cp ? row_supers.data() : nullptr};
+          const Row out{direct ? nullptr : q, coded ? nullptr : d.data(),
+                        nibbles ? m.data() : nullptr, cp ? row_codes.data() : nullptr,
+                        cp ? row_supers.data() : nullptr};
           for (int64_t b = 0; b < blocks; ++b) {
             type.rewrite(row + b * type.bytes, out, b);
             if (direct) q4_k_pairs(row + b * type.bytes, b, dp + p * (K / 32) * 4 * 32 + n, 32);
@@ -239,7 +269,15 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
               dp[((p * (K / 32) + b) * 4 + c) * 32 + n] = low | (high << 16);
             }
       }
-      if (lp) transpose_panel(rows_q.data(), cols, lp + p * cols * 32);
+      if (lp && coded) {
+        for (int64_t n = 0; n < 32; ++n)
+          for (int64_t b = 0; b < K / 32; ++b)
+            pack6(reinterpret_cast<const int8_t*>(rows_q.data()) + n * cols + b * 32,
+                  packed.data() + n * panel_cols + b * kPacked6);
+        transpose_panel(packed.data(), panel_cols, lp + p * panel_cols * 32);
+      } else if (lp) {
+        transpose_panel(rows_q.data(), cols, lp + p * cols * 32);
+      }
     }
   });
 }

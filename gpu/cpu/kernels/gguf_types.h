@@ -4,9 +4,11 @@
 // The rewrite is models/gguf_repack.py's, type by type (that module is the reference
 // and documents each mapping; tests/test_gguf_types.py holds the two equal): Q4_0, Q4_1,
 // Q4_K -> q4_1 (nibbles, float32 scale and minimum per 32); Q8_0, Q5_0, IQ4_NL, IQ4_XS
-// -> q8_0 (int8, float32 scale per 32); Q6_K, Q3_K -> q8_16 (int8, float32 scale per
-// 16). Scales are the products gguf-py computes in float32 (an f16 times a small
-// integer: exact), so the weights the kernels compute are gguf-py's bit for bit.
+// -> q8_0 (int8, float32 scale per 32); Q6_K, Q3_K -> q8_16 (int8 levels in [-32, 31],
+// per 16 an int8 scale code, per 256 a float32 super-block scale). Scales are the
+// products gguf-py computes in float32 (an f16 times a small integer: exact; q8_16's
+// multiplied where the kernels use them), so the weights the kernels compute are
+// gguf-py's bit for bit.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -28,7 +30,8 @@ inline float f16(const uint8_t* p) {
 
 // One output row's destination: levels (nibble bytes or int8), scales, mins (q4_1 only),
 // and where asked a Q4_K's codes (per block its scale and min, per super-block d and
-// -dmin: q4_1_scales.h).
+// -dmin: q4_1_scales.h). A q8_16 row has no float32 scales (d, m null): its codes are
+// int8 per 16 weights, its supers one per 256.
 struct Row {
   uint8_t* q;
   float* d;
@@ -166,7 +169,8 @@ inline void q6_k(const uint8_t* x, Row r, int64_t b) {
         const int hi = (qh[32 * n + j] >> (2 * g)) & 3;
         out[128 * n + 32 * g + j] = static_cast<int8_t>((low | (hi << 4)) - 32);
       }
-  for (int i = 0; i < 16; ++i) r.d[b * 16 + i] = d * static_cast<float>(sc[i]);
+  std::memcpy(r.codes + b * 16, sc, 16);
+  r.supers[b] = d;
 }
 
 inline void q3_k(const uint8_t* x, Row r, int64_t b) {
@@ -175,8 +179,9 @@ inline void q3_k(const uint8_t* x, Row r, int64_t b) {
   for (int i = 0; i < 16; ++i) {
     const int low = (packed[i % 8] >> (4 * (i / 8))) & 0x0F;
     const int high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-    r.d[b * 16 + i] = d * static_cast<float>((low | (high << 4)) - 32);
+    r.codes[b * 16 + i] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
   }
+  r.supers[b] = d;
   int8_t* out = reinterpret_cast<int8_t*>(r.q) + b * kQK;
   for (int n = 0; n < 2; ++n)
     for (int s = 0; s < 4; ++s)

@@ -1,6 +1,6 @@
-// The block formats the CPU quant kernels read (quant_linear.cpp): Q4_1, Q8_0 and Q8_16
-// weights (every GGUF type the kernels serve, rewritten into one of these by
-// gguf_repack.cpp) in panels, each able to give a weight (portable code) or, on
+// The block formats the CPU quant kernels read (quant_linear.cpp): Q4_1 and Q8_0 (the
+// third, Q8_16: q8_16_blocks.h), every GGUF type the kernels serve rewritten into one of
+// them by gguf_repack.cpp, in panels, each able to give a weight (portable code) or, on
 // AVX-512, a block's 32 x 32 levels or weights in registers (on AVX2: 8 outputs of them,
 // one 8-lane register per k).
 //
@@ -8,9 +8,9 @@
 // order at load; N is padded to whole panels with zero blocks). Per panel p and block
 // b (32 k): Q4_1 qweight[p][b][j][n] (uint8, j < 16) holds weight k = 32b + j of
 // output 32p + n in its low nibble and k = 32b + j + 16 in its high one (GGML's pairing,
-// transposed); Q8_0 and Q8_16 qweight[p][b][j][n] (int8, j < 32) hold k = 32b + j.
-// scales (and Q4_1's mins) [p][b][n], fp32 (Q8_16's [p][2b + h][n], h = j / 16). So one
-// 32-byte load gives a k's weights for 32 outputs: the kernel is an outer product, outputs along the vector lanes, with no horizontal
+// transposed); Q8_0 qweight[p][b][j][n] (int8, j < 32) holds k = 32b + j; scales (and
+// Q4_1's mins) [p][b][n], fp32. So one 32-byte load gives a k's weights for 32 outputs:
+// the kernel is an outer product, outputs along the vector lanes, with no horizontal
 // sums (the previous layout, one output's blocks in a row, needed them).
 //
 // Exactness: every weight is dequantized exactly as gguf-py's numpy dequantizer does
@@ -233,83 +233,6 @@ struct Q8_0 {
   inline __m256 add_block8(int64_t at, int g, __m256 lo, __m256 hi, float /*x_sum*/,
                            __m256 acc) const {
     return _mm256_fmadd_ps(_mm256_loadu_ps(d + at + 8 * g), _mm256_add_ps(lo, hi), acc);
-  }
-#endif
-};
-
-// One matrix of int8 levels with a scale per 16 weights (GGUF's Q6_K and Q3_K, rewritten
-// by models/gguf_repack.py): Q8_0's panels of levels, with two scales per block,
-// d[p][2b + h][n] for k = 32b + 16h + i. The levels loaded for j (k = j, scale h = 0)
-// and j + 16 (h = 1) take one scale each, so the per-block path keeps their sums apart
-// (kHalfScales) and scales each once.
-struct Q8_16 {
-  const int8_t* qs;
-  const float* d;
-  int64_t K;
-  static constexpr bool kHalfScales = true;
-
-  float weight(int64_t p, int64_t k, int64_t n) const {
-    const int64_t b = k / kBlock, j = k % kBlock;
-    return static_cast<float>(qs[((p * (K / kBlock) + b) * kBlock + j) * kPanel + n]) *
-           d[(p * (K / kBlock) * 2 + 2 * b + j / 16) * kPanel + n];
-  }
-
-#ifdef __AVX512F__
-  struct Block {
-    __m512 d0, d1, e0, e1;  // scales of k = j (d) and k = j + 16 (e), outputs 0-15, 16-31
-    const int8_t* q;
-    const float* d;
-  };
-  inline Block block(int64_t p, int64_t b) const {
-    const int64_t at = (p * (K / kBlock) + b) * kPanel, sat = 2 * at;
-    return {_mm512_loadu_ps(d + sat), _mm512_loadu_ps(d + sat + 16),
-            _mm512_loadu_ps(d + sat + 32), _mm512_loadu_ps(d + sat + 48), qs + at * kBlock,
-            d + sat};
-  }
-  // Read ahead as Q8_0 does (the LM head of a Q4_K_M file is Q6_K).
-  static constexpr bool kReadsAhead = true;
-  static constexpr int64_t kReadAhead = Q8_0::kReadAhead;
-  static inline void read_ahead(const Block& bl, int j) {
-    prefetch::t1(bl.q, kReadAhead * kBlock * kPanel + 64 * j);
-    if (j < 4) prefetch::t1(bl.d, kReadAhead * 2 * kPanel * 4 + 64 * j);
-  }
-  static inline void levels(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
-                            __m512& hi1) {
-    Q8_0::levels({bl.d0, bl.d1, bl.q, bl.d}, j, lo0, lo1, hi0, hi1);
-  }
-  static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
-                           __m512& hi1) {
-    levels(bl, j, lo0, lo1, hi0, hi1);
-    lo0 = _mm512_mul_ps(lo0, bl.d0);
-    lo1 = _mm512_mul_ps(lo1, bl.d1);
-    hi0 = _mm512_mul_ps(hi0, bl.e0);
-    hi1 = _mm512_mul_ps(hi1, bl.e1);
-  }
-  // acc += d * (the sum of q * x over k = j) + e * (the sum over k = j + 16).
-  static inline void add_halves(const Block& bl, __m512 lo0, __m512 lo1, __m512 hi0,
-                                __m512 hi1, __m512& acc0, __m512& acc1) {
-    acc0 = _mm512_fmadd_ps(bl.e0, hi0, _mm512_fmadd_ps(bl.d0, lo0, acc0));
-    acc1 = _mm512_fmadd_ps(bl.e1, hi1, _mm512_fmadd_ps(bl.d1, lo1, acc1));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  // `at` indexes the block's scales: its two halves' 32 each, one after the other.
-  inline int64_t at(int64_t p, int64_t b) const { return (p * (K / kBlock) + b) * 2 * kPanel; }
-  inline const int8_t* levels_at(int64_t p, int64_t b) const {
-    return qs + (p * (K / kBlock) + b) * kPanel * kBlock;
-  }
-  static constexpr int64_t kLevelBytes = kBlock * kPanel;
-  static inline void levels8(const int8_t* q, int j, int g, __m256& lo, __m256& hi) {
-    Q8_0::levels8(q, j, g, lo, hi);
-  }
-  inline void widen8(const int8_t* q, int64_t at, int j, int g, __m256& lo, __m256& hi) const {
-    levels8(q, j, g, lo, hi);
-    lo = _mm256_mul_ps(lo, _mm256_loadu_ps(d + at + 8 * g));
-    hi = _mm256_mul_ps(hi, _mm256_loadu_ps(d + at + kPanel + 8 * g));
-  }
-  inline __m256 add_block8(int64_t at, int g, __m256 lo, __m256 hi, float /*x_sum*/,
-                           __m256 acc) const {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(d + at + 8 * g), lo, acc);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(d + at + kPanel + 8 * g), hi, acc);
   }
 #endif
 };

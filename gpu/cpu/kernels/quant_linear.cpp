@@ -46,7 +46,7 @@
 #include <vector>
 
 #include "entry_points.h"
-#include "quant_blocks.h"
+#include "q8_16_blocks.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -361,17 +361,14 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return in_float32(w, x, N);
 }
 
-// scales [P, K/16, 32]: two per block, d[p][2b + h][n] (quant_blocks.h's Q8_16).
-at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& qweight,
-                        const at::Tensor& scales, int64_t N) {
-  const int64_t K = check_panels(qweight, at::kChar, kBlock, N, "q8_16_linear");
-  check_x(x, K, "q8_16_linear");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == qweight.size(0) && scales.size(1) == 2 * qweight.size(1) &&
-                  scales.size(2) == kPanel,
-              "q8_16_linear: scales must be contiguous float32 [panels, K/16, 32], got ",
-              scales.scalar_type(), " ", scales.sizes());
-  const Q8_16 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
+// Q8_16's levels, codes and supers as q8_16_blocks.h lays them out.
+at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& codes,
+                        const at::Tensor& supers, int64_t N) {
+  const Q8_16 w = Q8_16::of(levels, codes, supers, "q8_16_linear");
+  const int64_t panels = levels.size(0);
+  TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "q8_16_linear: N = ", N,
+              " does not fill ", panels, " panels of 32 outputs");
+  check_x(x, w.K, "q8_16_linear");
   return in_float32(w, x, N);
 }
 
@@ -381,7 +378,7 @@ at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
-  m.def("q8_16_linear(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
+  m.def("q8_16_linear(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
   m.impl("q4_1_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear));
   m.impl("q8_0_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_0_linear));
   m.impl("q8_16_linear", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_16_linear));

@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "amx.h"
-#include "quant_blocks.h"
+#include "q8_16_blocks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
@@ -136,8 +136,9 @@ inline void prefetch_block(const Q8_0& w, int64_t g) {
   prefetch_lines(w.d + g * kPanel, kPanel * 4);
 }
 inline void prefetch_block(const Q8_16& w, int64_t g) {
-  prefetch_lines(w.qs + g * kBlock * kPanel, kBlock * kPanel);
-  prefetch_lines(w.d + g * 2 * kPanel, 2 * kPanel * 4);
+  prefetch_lines(w.qs + g * Q8_16::kPackedBytes, Q8_16::kPackedBytes);
+  prefetch_lines(w.codes + g * 2 * kPanel, 2 * kPanel);
+  if (g % 8 == 0) prefetch_lines(w.supers + g / 8 * kPanel, kPanel * 4);
 }
 
 template <typename W>
@@ -220,41 +221,40 @@ void check_call(const char* op, const at::Tensor& x, int64_t panels, int64_t K, 
               " does not fill ", panels, " panels of 32 outputs");
 }
 
-// `per_block` scales a block: 1 (Q8_0), 2 (Q8_16, a scale per 16 k).
-void check_scales(const char* op, const at::Tensor& scales, int64_t panels, int64_t K,
-                  int64_t per_block) {
+void check_scales(const char* op, const at::Tensor& scales, int64_t panels, int64_t K) {
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == panels &&
-                  scales.size(1) == per_block * K / kBlock && scales.size(2) == kPanel,
-              op, ": scales must be contiguous float32 [panels, ", per_block, " K/32, 32]");
+                  scales.size(1) == K / kBlock && scales.size(2) == kPanel,
+              op, ": scales must be contiguous float32 [panels, K/32, 32]");
 }
 
-// The int8 levels' formats: Q8_0 (a scale per 32 k) and Q8_16 (per 16).
 template <typename W>
-at::Tensor int8_linear_amx(const char* op, const at::Tensor& x, const at::Tensor& qweight,
-                           const at::Tensor& scales, int64_t N, int64_t per_block) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 &&
-                  qweight.is_contiguous() && qweight.size(2) == kBlock &&
-                  qweight.size(3) == kPanel,
-              op, ": qweight must be contiguous int8 [panels, K/32, 32, 32]");
-  const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
-  check_scales(op, scales, panels, K, per_block);
-  check_call(op, x, panels, K, N);
+at::Tensor linear_amx(const char* op, const at::Tensor& x, const W& w, int64_t panels,
+                      int64_t N) {
+  check_call(op, x, panels, w.K, N);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
-  const W w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
   amx_linear(w, x, N, out);
   return out;
 }
 
 at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
                            const at::Tensor& scales, int64_t N) {
-  return int8_linear_amx<Q8_0>("q8_0_linear_amx", x, qweight, scales, N, 1);
+  const char* op = "q8_0_linear_amx";
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 &&
+                  qweight.is_contiguous() && qweight.size(2) == kBlock &&
+                  qweight.size(3) == kPanel,
+              op, ": qweight must be contiguous int8 [panels, K/32, 32, 32]");
+  const int64_t panels = qweight.size(0), K = qweight.size(1) * kBlock;
+  check_scales(op, scales, panels, K);
+  const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K};
+  return linear_amx(op, x, w, panels, N);
 }
 
-at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
-                            const at::Tensor& scales, int64_t N) {
-  return int8_linear_amx<Q8_16>("q8_16_linear_amx", x, qweight, scales, N, 2);
+at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& levels,
+                            const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
+  const Q8_16 w = Q8_16::of(levels, codes, supers, "q8_16_linear_amx");
+  return linear_amx("q8_16_linear_amx", x, w, levels.size(0), N);
 }
 
 }  // namespace
@@ -263,7 +263,7 @@ at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q8_0_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q8_0_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_amx));
-  m.def("q8_16_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
+  m.def("q8_16_linear_amx(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
   m.impl("q8_16_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_amx));
   m.def("amx_usable() -> bool", &amx::permitted);
 }

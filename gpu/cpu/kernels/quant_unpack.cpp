@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant_blocks.h"
+#include "q8_16_blocks.h"
 
 namespace {
 
@@ -131,11 +131,11 @@ void q8_0_unpack(const at::Tensor& qweight, const at::Tensor& scales, int64_t p0
               p1, out);
 }
 
-void q8_16_unpack(const at::Tensor& qweight, const at::Tensor& scales, int64_t p0, int64_t p1,
-                  at::Tensor& out) {
-  const int64_t K = check(qweight, at::kChar, kBlock, out, p0, p1, "q8_16_unpack");
-  unpack_into(Q8_16{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), K}, p0,
-              p1, out);
+void q8_16_unpack(const at::Tensor& levels, const at::Tensor& codes, const at::Tensor& supers,
+                  int64_t p0, int64_t p1, at::Tensor& out) {
+  const Q8_16 w = Q8_16::of(levels, codes, supers, "q8_16_unpack");
+  check(levels, at::kByte, 24, out, p0, p1, "q8_16_unpack");
+  unpack_into(w, p0, p1, out);
 }
 
 }  // namespace
@@ -144,7 +144,8 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q4_1_unpack(Tensor qweight, Tensor scales, Tensor mins, int p0, int p1, "
         "Tensor(a!) out) -> ()");
   m.def("q8_0_unpack(Tensor qweight, Tensor scales, int p0, int p1, Tensor(a!) out) -> ()");
-  m.def("q8_16_unpack(Tensor qweight, Tensor scales, int p0, int p1, Tensor(a!) out) -> ()");
+  m.def("q8_16_unpack(Tensor levels, Tensor codes, Tensor supers, int p0, int p1, "
+        "Tensor(a!) out) -> ()");
   m.impl("q4_1_unpack", c10::DispatchKey::CPU, TORCH_FN(q4_1_unpack));
   m.impl("q8_0_unpack", c10::DispatchKey::CPU, TORCH_FN(q8_0_unpack));
   m.impl("q8_16_unpack", c10::DispatchKey::CPU, TORCH_FN(q8_16_unpack));
