@@ -339,6 +339,9 @@ class ServerSettings:
     disable_uvicorn_access_log: bool = setting(
         False, "no access line per HTTP request (method, path, status, duration, request "
         "id, and an error answer's reason) in the log (vLLM's flag)")
+    disable_log_requests: bool = setting(
+        False, "no `request finished` / `request aborted` line per request (its tokens, "
+        "times and finish reason) in the log (vLLM's flag)")
     header_timeout: float = setting(10.0, "seconds a client may take to send a request's "
                                     "headers, and again its body (408 beyond)")
     # Deadlines (see app/engine/admission.py): off unless set here or sent by the client

@@ -14,6 +14,7 @@ fresh entry, never a stale one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -56,6 +57,16 @@ def default_gguf_path() -> Path:
         raise FileNotFoundError(f"{DEFAULT_PACKAGE} is installed without {DEFAULT_GGUF_NAME}: "
                                 f"{path} does not exist")
     return path
+
+
+# A cache that cannot be written: no permission, a read-only file system, no space left,
+# a quota or a file-size limit reached.
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class CacheUnwritable(OSError):
+    """The converted model cannot be written: the message names the directory, what the
+    system said and how to choose another."""
 
 
 def cache_root() -> Path:
@@ -169,6 +180,12 @@ def _converted(gguf_path: Path, name: str | None, dtype: str) -> Path:
     except FileExistsError:  # another process converted it since we looked
         _check_hf_dir(out_dir)
         return out_dir
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        raise CacheUnwritable(e.errno, f"cannot write the converted model into {out_dir.parent} "
+                              f"({e.strerror}): free space there, or set {CACHE_ENV} to a "
+                              "writable directory") from e
     log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return out_dir
 

@@ -286,3 +286,29 @@ def test_the_access_log_can_be_turned_off(tiny_dir):
         logger.setLevel(level)
     assert recorder.records == []
 
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_the_per_request_lines_can_be_turned_off(tiny_dir, disabled):
+    """vLLM's `--disable-log-requests`: no `request finished` line per request; without
+    it each request leaves one, with its tokens and finish reason."""
+    recorder, logger = ContextRecorder(), logging.getLogger("ridgeline.engine")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(recorder)
+    srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
+        log_stats_interval=0, disable_log_requests=disabled)).start()
+    try:
+        done = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "req-1"},
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+        assert done.status_code == 200
+    finally:
+        srv.stop()
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+    finished = [rec for (msg, ctx), rec in zip(recorder.lines, recorder.records)
+                if msg == "request finished" and ctx.get("x_request_id") == "req-1"]
+    if disabled:
+        assert finished == []
+    else:
+        assert len(finished) == 1 and finished[0].output_tokens == 3
+

@@ -1,12 +1,14 @@
 """Start-up faults a machine leaves behind, made for real (`docs/robustness.md`): a kernel
 build killed half-way (torch's lock file left in the build directory), a build held by
-another process, a truncated library in the cache, and SIGTERM while the model loads.
-Each ends in a start or a clear exit, never a hang or a crash."""
+another process, a truncated library in the cache, SIGTERM while the model loads, and a
+cache that cannot be written (no permission, no space). Each ends in a start or a clear
+exit, never a hang or a crash."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -112,3 +114,65 @@ def test_sigterm_while_the_model_loads_exits(tmp_path, tiny_dir):
                 proc.kill()
     assert proc.returncode == 1, out
     assert "stopping while the model loads" in out
+
+
+def serve_default_model(cache: str, timeout: float, limit_file_bytes: int | None = None
+                        ) -> subprocess.CompletedProcess:
+    """`ridgeline serve` on the embedded GGUF, its conversion cached in `cache`, with
+    files written capped at `limit_file_bytes` (RLIMIT_FSIZE: a full disk as a write sees
+    it; Python ignores the signal, so the write fails with EFBIG)."""
+    def limit() -> None:
+        if limit_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
+
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())], cwd=ROOT,
+        capture_output=True, text=True, timeout=timeout, preexec_fn=limit,
+        env={**os.environ, "RIDGELINE_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.parametrize("fault", ["not permitted", "full"])
+def test_a_model_cache_that_cannot_be_written_ends_the_start_with_a_clear_error(
+        tmp_path, fault):
+    """The embedded GGUF's conversion cannot be written: under /sys (EPERM for every
+    user, root included) or with no room for a byte (EFBIG). The start exits 1 naming
+    the directory and the setting that moves it, and leaves no temporary directory."""
+    cache = "/sys/ridgeline-cache" if fault == "not permitted" else str(tmp_path / "cache")
+    done = serve_default_model(cache, 120, limit_file_bytes=0 if fault == "full" else None)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot write the converted model into" in done.stderr
+    assert "RIDGELINE_CACHE_DIR" in done.stderr and cache in done.stderr
+    if fault == "full":
+        assert not any(Path(cache).iterdir())  # the half-written conversion is gone
+
+
+@pytest.mark.parametrize("cut", ["header", "weights"])
+def test_a_truncated_gguf_ends_the_start_with_a_clear_error(tmp_path, cut):
+    """The embedded GGUF cut short (a killed download): inside its header, or halfway
+    through its weights. The start exits 1 naming the file, before any conversion."""
+    from models.resolve import default_gguf_path
+
+    data = default_gguf_path().read_bytes()
+    cut_file = tmp_path / "cut.gguf"
+    cut_file.write_bytes(data[:4096] if cut == "header" else data[:len(data) // 2])
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--model", str(cut_file), "--port",
+         str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "RIDGELINE_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"{cut_file} is not a readable GGUF file (truncated or corrupt?)" in done.stderr
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_two_first_starts_at_once_convert_the_model_once(tmp_path):
+    """Two processes resolve the embedded GGUF into one empty cache at the same moment:
+    both get the same complete directory; one conversion is kept, no temporary is left."""
+    script = "from models.resolve import resolve_model; print(resolve_model())"
+    env = {**os.environ, "RIDGELINE_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    dirs = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(dirs) == 1 and [p.name for p in tmp_path.iterdir()] == [Path(*dirs).name]
+    assert (Path(*dirs) / "config.json").is_file()

@@ -45,8 +45,12 @@ DISPATCH_CHUNK = 8
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0):
+    def __init__(self, core: EngineCore, model_name: str, log_stats_interval: float = 10.0,
+                 log_requests: bool = True):
+        """`log_requests`: a `request finished` / `request aborted` line per request (off:
+        vLLM's `--disable-log-requests`)."""
         self.core = core
+        self.log_requests = log_requests
         self.inputs = InputProcessor(core.tokenizer, core.max_model_len,
                                      render_timeout=core.config.chat_template_render_timeout,
                                      render_memory=core.config.chat_template_render_memory)
@@ -175,10 +179,10 @@ class AsyncEngine:
         self.metrics.observe_aborted(out)
         stream = self._streams.pop(request_id, None)
         if stream is None:
-            log.info("request aborted", extra={"request_id": request_id})
+            self._log_request("request aborted", {"request_id": request_id})
         else:  # in its caller's context, as `request finished`
-            stream.context.run(log.info, "request aborted",
-                               extra={"request_id": request_id} | labelled(stream))
+            stream.context.run(self._log_request, "request aborted",
+                               {"request_id": request_id} | labelled(stream))
             self._end_of_sequence(stream, out)
             if not stream.finished:
                 stream.finished = True
@@ -319,12 +323,16 @@ class AsyncEngine:
         self.metrics.observe_finished(out, stream.max_tokens)
         # In the caller's context: the line carries what the server bound (x_request_id).
         stream.context.run(
-            log.info, "request finished",
-            extra={"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
-                   "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
-                   "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
-                   "preemptions": m.num_preemptions} | labelled(stream),
+            self._log_request, "request finished",
+            {"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
+             "output_tokens": len(out.token_ids), "ttft_s": round(m.ttft or 0.0, 4),
+             "e2e_s": round(m.e2e, 4), "finish_reason": out.finish_reason,
+             "preemptions": m.num_preemptions} | labelled(stream),
         )
+
+    def _log_request(self, message: str, fields: dict) -> None:
+        if self.log_requests:
+            log.info(message, extra=fields)
 
     def _end_of_sequence(self, stream: RequestStream, out: RequestOutput) -> None:
         if stream.group.end(len(out.token_ids)):

@@ -275,7 +275,8 @@ async def _load(st: State, prebuilt: EngineCore | None) -> None:
         if st.on_load_failure is not None:
             st.on_load_failure()  # the server exits non-zero instead of idling unhealthy
         return
-    engine = AsyncEngine(core, st.config.model_name, st.settings.log_stats_interval)
+    engine = AsyncEngine(core, st.config.model_name, st.settings.log_stats_interval,
+                         log_requests=not st.settings.disable_log_requests)
     engine.start()
     st.model_names = [engine.model_name]
     if st.config.model and st.config.model != engine.model_name:

@@ -170,6 +170,9 @@ def cpu_kernels() -> KernelOps | None:
     except Exception as exc:  # no compiler, no ninja, a failed build: keep plain torch
         log.warning("C++ CPU kernels unavailable, using the torch path: %s",
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc))
+        if isinstance(exc, OSError):  # where it could not write: say how to choose another
+            log.warning("the kernels are built in %s; set TORCH_EXTENSIONS_DIR to a "
+                        "writable directory to build them elsewhere", build_dir.parent)
         return None
 
 
