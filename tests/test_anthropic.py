@@ -294,8 +294,16 @@ def test_the_table_lists_every_field_and_each_does_what_it_says(tiny):
         assert rows[name] == "ignored"
         r = post(base | {name: value})
         assert r.status_code == 200 and r.json()["content"] == plain, (name, r.text)
-    r = post(base | {"output_config": {"effort": "high"}})
+    # Claude Code's effort and context edit: honoured (this template reads no effort, and
+    # the conversation has no thinking to keep); another effort or edit is a 400.
+    assert rows["output_config.effort"] == "honoured"
+    r = post(base | {"output_config": {"effort": "high"}, "context_management": {
+        "edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert r.status_code == 200 and r.json()["content"] == plain, r.text
+    r = post(base | {"output_config": {"effort": "extreme"}})
     assert r.status_code == 400 and "output_config.effort" in r.json()["error"]["message"]
+    r = post(base | {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+    assert r.status_code == 400 and "context_management.edits.0" in r.json()["error"]["message"]
     for name in ("container", "mcp_servers", "context_management", "no_such_field"):
         r = post(base | {name: "x"})
         assert r.status_code == 400 and name in r.json()["error"]["message"], name

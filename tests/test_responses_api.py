@@ -115,7 +115,7 @@ def test_bad_requests_are_400s_naming_the_field(server, client):
     cases = [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input_image"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "web_search"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "file_search"),
         ({"input": "x", "max_tool_calls": 3}, "max_tool_calls"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "text": {"verbosity": "high"}}, "verbosity"),
@@ -131,7 +131,18 @@ def test_bad_requests_are_400s_naming_the_field(server, client):
         assert set(error) == {"message", "type", "param", "code"}
         assert named in error["message"] + str(error["param"]), (body, error)
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+        client.responses.create(model="tiny", input="x", tools=[{"type": "file_search"}])
+    # What Codex sends with every request: accepted, and the hosted or grouped tools not
+    # offered to the model (the prompt is the one without them).
+    plain = post(server, {"input": "x", "max_output_tokens": 4, "temperature": 0}).json()
+    codex = post(server, {"input": "x", "max_output_tokens": 4, "temperature": 0,
+                          "client_metadata": {"session_id": "s"},
+                          "tools": [{"type": "web_search", "external_web_access": False},
+                                    {"type": "namespace", "name": "agents", "tools": []}]})
+    assert codex.status_code == 200, codex.text
+    assert codex.json()["usage"]["input_tokens"] == plain["usage"]["input_tokens"]
+    assert codex.json()["output"][0]["content"][0]["text"] == \
+        plain["output"][0]["content"][0]["text"]
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
 

@@ -25,6 +25,9 @@ TEXTS = [
     '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}\n</tool_call>',
     "No tools needed: 3 < 4 and <tool_ is not a tag.",
     "<tool_call>not json</tool_call> after",
+    # A forced call's grammar lets an argument's string hold anything, the end tag too.
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris</tool_call>x"}}\n'
+    "</tool_call>",
 ]
 
 
@@ -41,9 +44,15 @@ def test_whole_output_parsing():
     assert len(parse(TEXTS[1], parallel=False)[1]) == 1
     assert parse(TEXTS[2]) == (TEXTS[2], [])
     assert parse(TEXTS[3]) == (TEXTS[3], [])  # not a call: stays text
+    content, calls = parse(TEXTS[4])  # the tag inside the string does not close the block
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {
+        "city": "Paris</tool_call>x"}
+    # A block whose JSON never closes, in an output that ended on its own: text.
+    broken = '<tool_call>{"name": "f", "arguments": {oops</tool_call> after'
+    assert parse(broken) == (broken, [])
 
 
-@pytest.mark.parametrize("text", TEXTS[:3])
+@pytest.mark.parametrize("text", TEXTS[:3] + TEXTS[4:])
 @pytest.mark.parametrize("seed", range(5))
 def test_streamed_parsing_matches_whole_parsing_however_it_is_split(text, seed):
     rng = random.Random(seed)

@@ -5,8 +5,11 @@ The same rule as every body (`protocol.Body`): a field is honoured, ignored on p
 Messages become OpenAI chat messages, which the one chat-template path renders:
 `system` → a system message, `tool_use` blocks → the assistant's `tool_calls`,
 `tool_result` blocks → `tool` messages (before the user's text, as Anthropic orders
-them), earlier turns' `thinking` blocks dropped (Anthropic drops them from the prompt
-too). Images and documents are refused: the models served read text.
+them), a mid-conversation `system` message → a system message where it stands, earlier
+turns' `thinking` blocks dropped (Anthropic drops them from the prompt too) unless
+`context_management`'s `clear_thinking` edit keeps them (then they are the assistant
+turns' `reasoning_content`, as vLLM passes it to the template). Images and documents
+are refused: the models served read text.
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ Block = Annotated[Annotated[TextBlock, Tag("TextBlock")]
 
 
 class Message(Body):
-    role: Literal["user", "assistant"]
+    """A turn; `system` is Anthropic's mid-conversation system message (Claude Code sends
+    one after the first user turn)."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -110,8 +116,37 @@ class OutputFormat(Body):
 
 
 class OutputConfig(Body):
+    """`effort` goes to the chat template as `reasoning_effort`, as the chat route's does
+    (a template that reads it sizes its thinking by it; one that does not is unchanged)."""
+
     format: OutputFormat | None = None
-    ONLY_DEFAULT = {"effort": (None,)}
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
+class ThinkingTurns(Body):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class ClearThinking(Body):
+    """Which earlier assistant turns keep their thinking in the prompt: the last `keep`
+    (`thinking_turns`), or all. Other edits (`clear_tool_uses_…`) would cut tool results
+    from the prompt, which is not done here: a 400 names them."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns = Field(
+        default_factory=lambda: ThinkingTurns(type="thinking_turns", value=1))
+
+
+class ContextManagement(Body):
+    edits: list[ClearThinking] = Field(default_factory=list, max_length=8)
+
+    def thinking_kept(self, assistant_turns: int) -> int:
+        """How many of the last assistant turns keep their thinking."""
+        kept = 0
+        for edit in self.edits:
+            kept = assistant_turns if edit.keep == "all" else edit.keep.value
+        return kept
 
 
 class CountTokensRequest(Body):
@@ -125,6 +160,7 @@ class CountTokensRequest(Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -144,8 +180,14 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         system = req.system if isinstance(req.system, str) else "\n".join(
             b.text for b in req.system)
         messages.append({"role": "system", "content": system})
+    assistant_turns = sum(m.role == "assistant" for m in req.messages)
+    keep = (0 if req.context_management is None
+            else req.context_management.thinking_kept(assistant_turns))
+    seen = 0
     for i, m in enumerate(req.messages):
-        messages.extend(_chat_messages(m, f"messages.{i}.content"))
+        seen += m.role == "assistant"
+        messages.extend(_chat_messages(m, f"messages.{i}.content",
+                                       keep_thinking=seen > assistant_turns - keep))
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
@@ -168,19 +210,24 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     if req.output_config is not None and req.output_config.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": req.output_config.format.schema_}}
+    if req.output_config is not None and req.output_config.effort is not None:
+        body["reasoning_effort"] = req.output_config.effort
     return body
 
 
-def _chat_messages(m: Message, path: str) -> list[dict[str, Any]]:
+def _chat_messages(m: Message, path: str, keep_thinking: bool = False) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(m.content):
         if isinstance(block, MediaBlock):
             raise APIError(400, f"{block.type} content is not supported: the model reads "
                            "text only", f"{path}.{j}")
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            if keep_thinking and m.role == "assistant" and block.thinking:
+                thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if m.role != "assistant":
                 raise APIError(400, "tool_use blocks belong to assistant messages",
@@ -199,5 +246,7 @@ def _chat_messages(m: Message, path: str) -> list[dict[str, Any]]:
         message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
         if calls:
             message["tool_calls"] = calls
+        if thoughts:
+            message["reasoning_content"] = "\n".join(thoughts)
         out.append(message)
     return out

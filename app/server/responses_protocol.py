@@ -3,8 +3,9 @@ chat bodies of `protocol.py`.
 
 Every field is honoured, on the `IGNORED` list (it cannot change what is generated),
 accepted only at its "off" value, or a 400 naming it; `docs/api.md` lists them. Input
-items and tools of kinds Ridgeline does not run (images, files, hosted tools such as
-`web_search`) are refused with a 400 that names the item and its kind.
+items and tools of kinds Ridgeline does not run (images, files, hosted tools) are
+refused with a 400 that names the item and its kind, but for the tools Codex always
+sends (`NOT_OFFERED`), which are accepted and not shown to the model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 # The kinds of input item and content part a text model can take.
 INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
+# Tools Codex sends with every request that are not offered to the model: `web_search`
+# is hosted (the server cannot search), and a `namespace` groups function tools whose
+# calls would come back under the namespace's name, a form not produced here.
+NOT_OFFERED = ("web_search", "namespace")
 
 
 def _kind_check(value: Any, allowed: tuple[str, ...], what: str) -> Any:
@@ -171,7 +176,7 @@ INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 class ResponsesRequest(Body):
     IGNORED: ClassVar[frozenset[str]] = frozenset({
         "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
-        "stream_options"})
+        "stream_options", "client_metadata"})
     ONLY_DEFAULT: ClassVar[dict[str, tuple]] = {
         "background": (None, False), "conversation": (None,), "prompt": (None,)}
 
@@ -217,6 +222,9 @@ class ResponsesRequest(Body):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, tools):
+        if isinstance(tools, list):
+            tools = [t for t in tools
+                     if not (isinstance(t, dict) and t.get("type") in NOT_OFFERED)]
         return _kind_check(tools, ("function",), "tool")
 
     @field_validator("metadata")

@@ -167,6 +167,32 @@ def _block_call(inner: str) -> tuple[str, str] | None:
     return name, args if isinstance(args, str) else json.dumps(args)
 
 
+def _json_open(text: str) -> bool:
+    """Whether `text` (a call's block so far) ends inside its JSON object: in a string,
+    or with a brace or bracket not yet closed."""
+    start = text.find("{")
+    if start < 0:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text[start:]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return False
+    return True
+
+
 def parse(text: str, parallel: bool = True,
           cut_off: bool = False) -> tuple[str | None, list[dict]]:
     """Content and tool calls of a whole output (`cut_off`: it ended at the token limit):
@@ -240,8 +266,12 @@ class ToolCallStream:
         return None
 
     def _block(self):
-        """Held until the block closes; then a call, text, or (a call too many) nothing."""
+        """Held until the block closes; then a call, text, or (a call too many) nothing.
+        A `</tool_call>` inside the call's JSON (in an argument's string: a forced call's
+        grammar allows any text there) does not close it."""
         i = self._buf.find(END, self._searched)
+        while i >= 0 and _json_open(self._buf[:i]):
+            i = self._buf.find(END, i + len(END))
         if i < 0:
             self._searched = max(0, len(self._buf) - len(END) + 1)
             return None
@@ -262,7 +292,10 @@ class ToolCallStream:
         """Text still held back: a possible `<tool_call>` prefix that never completed,
         unless the output was `cut_off` by the token limit (then it is the start of a
         call cut off: `3 <` at the end of an answer that stopped is text). An unclosed
-        block is dropped."""
+        block is dropped; one whose JSON never closed though the output ended on its own
+        was text after all, up to the `</tool_call>` it held and on."""
         out = self._buf if self._mode == "text" and not cut_off else ""
+        if self._mode == "block" and not cut_off and END in self._buf:
+            out = START + self._buf
         self._buf, self._mode = "", "text"
         return out
