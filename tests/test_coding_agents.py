@@ -9,10 +9,11 @@ llama of SmolLM2's vocabulary with a 64k context: the agents' first prompts run 
 tokens and more, and the protocol, not the model's wit, is under test. A recording proxy
 between agent and server keeps every request (the fields each agent sends) and steers
 the random model where a real one would go by itself, with the API's own fields: the
-first request's `tool_choice` names one of the agent's tools that takes no arguments (a
-random model given free text would run to its token limit), and once a tool's result is
-in the conversation the answer is a short JSON object (`output_config.format`,
-`text.format`), so that every turn ends.
+first request's `tool_choice` names the agent's shell tool, whose schema is narrowed to
+one harmless command (`echo`, so the arguments are the ones a model would write, and the
+agent really runs it), and once the tool's result is in the conversation the answer is
+a short JSON object (`output_config.format`, `text.format`), so that every turn ends (a
+random model given free text would run to its token limit).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ from aiohttp import web  # noqa: E402
 PACKAGES = ("@anthropic-ai/claude-code@2", "@openai/codex")
 SHORT_ANSWER = {"type": "object", "required": ["answer"], "additionalProperties": False,
                 "properties": {"answer": {"type": "string", "maxLength": 8}}}
+COMMAND = "echo ridgeline-tool-ran"
+
+
+def one_command(argument: str) -> dict:
+    """A shell tool's schema narrowed to COMMAND (its other arguments are optional)."""
+    return {"type": "object", "required": [argument], "additionalProperties": False,
+            "properties": {argument: {"type": "string", "enum": [COMMAND]}}}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +139,10 @@ def steer_claude(path: str, body: dict) -> dict:
     results = any(isinstance(m.get("content"), list) and any(
         b.get("type") == "tool_result" for b in m["content"]) for m in body["messages"])
     if not results:
-        body["tool_choice"] = {"type": "tool", "name": "TaskList"}
+        body["tool_choice"] = {"type": "tool", "name": "Bash"}
+        for tool in body["tools"]:
+            if tool["name"] == "Bash":
+                tool["input_schema"] = one_command("command")
     else:
         body["tool_choice"] = {"type": "none"}
         body.setdefault("output_config", {})["format"] = {"type": "json_schema",
@@ -144,7 +155,10 @@ def steer_codex(path: str, body: dict) -> dict:
         return body
     results = any(i.get("type") == "function_call_output" for i in body["input"])
     if not results:
-        body["tool_choice"] = {"type": "function", "name": "get_goal"}
+        body["tool_choice"] = {"type": "function", "name": "exec_command"}
+        for tool in body["tools"]:
+            if tool.get("name") == "exec_command":
+                tool["parameters"] = one_command("cmd")
     else:
         body["tool_choice"] = "none"
         body["text"] = {"format": {"type": "json_schema", "name": "answer",
@@ -166,7 +180,8 @@ def test_claude_code_runs_a_session_with_a_tool_call(agents, server, tmp_path):
                     ANTHROPIC_MODEL="tiny", ANTHROPIC_SMALL_FAST_MODEL="tiny",
                     CLAUDE_CODE_MAX_OUTPUT_TOKENS="256", DISABLE_TELEMETRY="1",
                     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1")
-    done = subprocess.run([str(agents / "claude"), "-p", "List my tasks."], cwd=tmp_path,
+    done = subprocess.run([str(agents / "claude"), "-p", "Say hello from the shell.",
+                           "--allowedTools", f"Bash({COMMAND})"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
     posts = proxy.posts("/v1/messages")
@@ -183,10 +198,11 @@ def test_claude_code_runs_a_session_with_a_tool_call(agents, server, tmp_path):
                 for line in posts[0]["answer"].splitlines()
                 if line.startswith("data: ") and '"content_block_start"' in line
                 and '"tool_use"' in line)
-    assert call["name"] == "TaskList"
+    assert call["name"] == "Bash"
     results = [b for m in posts[-1]["body"]["messages"] if isinstance(m["content"], list)
                for b in m["content"] if b.get("type") == "tool_result"]
     assert [r["tool_use_id"] for r in results] == [call["id"]]
+    assert "ridgeline-tool-ran" in json.dumps(results[0]["content"])  # the command ran
     assert json.loads(done.stdout.strip())["answer"] is not None  # the last turn's answer
 
 
@@ -203,7 +219,7 @@ def test_codex_runs_a_session_with_a_tool_call(agents, server, tmp_path):
     work.mkdir()
     env = agent_env(tmp_path, CODEX_HOME=str(codex_home), RIDGELINE_API_KEY="unused")
     done = subprocess.run([str(agents / "codex"), "exec", "--skip-git-repo-check",
-                           "What is my goal?"], cwd=work, env=env, capture_output=True,
+                           "Say hello from the shell."], cwd=work, env=env, capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)
     posts = proxy.posts("/v1/responses")
     assert done.returncode == 0, (done.stdout[-1000:], done.stderr[-1000:],
@@ -218,7 +234,8 @@ def test_codex_runs_a_session_with_a_tool_call(agents, server, tmp_path):
                 for line in posts[0]["answer"].splitlines()
                 if line.startswith("data: ") and '"response.output_item.done"' in line
                 and '"function_call"' in line)
-    assert call["name"] == "get_goal"
+    assert call["name"] == "exec_command" and json.loads(call["arguments"]) == {"cmd": COMMAND}
     outputs = [i for i in posts[-1]["body"]["input"] if i.get("type") == "function_call_output"]
     assert [o["call_id"] for o in outputs] == [call["call_id"]]
+    assert "ridgeline-tool-ran" in json.dumps(outputs[0]["output"])  # the command ran
     assert "answer" in done.stdout
