@@ -9,7 +9,8 @@ on a free port with `--env` added to its environment, then runs `--waves` rounds
 `ridgeline bench serve`: `--prompts` requests each, prompts of 64-1024 tokens and
 answers of 16-256 (`--random-range-ratio`, a new seed every wave), `--concurrency` at a
 time. After start and after every wave it reads the server's VmRSS and VmHWM
-(`/proc/PID/status`) and the KV blocks in use (`/metrics`).
+(`/proc/PID/status`) and the KV blocks kept as prefix cache (`/metrics`: between waves
+no block is in use, and the cached ones are the pool's touched pages).
 
 Warm-up is the first waves: the KV pool's pages are touched as blocks are first used
 (a finished request's blocks stay as prefix cache until the pool is full), and the
@@ -35,7 +36,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-KV_USED = re.compile(r"^ridgeline:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.M)
+CACHED = re.compile(r'^ridgeline:kv_blocks\{[^}]*state="cached"[^}]*\} (\S+)$', re.M)
 
 
 def free_port() -> int:
@@ -53,9 +54,9 @@ def memory_mb(pid: int) -> dict[str, float]:
     return fields
 
 
-def kv_used(url: str) -> float | None:
-    found = KV_USED.findall(httpx.get(url + "/metrics", timeout=30).text)
-    return float(found[0]) if found else None
+def kv_cached(url: str) -> float | None:
+    found = CACHED.findall(httpx.get(url + "/metrics", timeout=30).text)
+    return sum(map(float, found)) if found else None
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -104,11 +105,11 @@ def main() -> None:
     rows = []
     try:
         wait_ready(url, proc)
-        rows.append({"wave": 0, **memory_mb(proc.pid), "kv_used": kv_used(url)})
+        rows.append({"wave": 0, **memory_mb(proc.pid), "kv_cached": kv_cached(url)})
         with tempfile.TemporaryDirectory() as raw:
             for i in range(1, args.waves + 1):
                 done = wave(url, args, i, Path(raw))
-                rows.append({"wave": i, **memory_mb(proc.pid), "kv_used": kv_used(url),
+                rows.append({"wave": i, **memory_mb(proc.pid), "kv_cached": kv_cached(url),
                              **done})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -116,9 +117,9 @@ def main() -> None:
         proc.wait(60)
     late = rows[len(rows) // 2:]
     growth = (late[-1]["VmRSS"] - late[0]["VmRSS"]) / max(1, len(late) - 1)
-    print("\n| wave | VmRSS (MB) | VmHWM (MB) | KV used |\n| ---: | ---: | ---: | ---: |")
+    print("\n| wave | VmRSS (MB) | VmHWM (MB) | KV blocks cached |\n| ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['wave']} | {r['VmRSS']:.0f} | {r['VmHWM']:.0f} | {r['kv_used']} |")
+        print(f"| {r['wave']} | {r['VmRSS']:.0f} | {r['VmHWM']:.0f} | {r['kv_cached']} |")
     print(f"\ngrowth over the last {len(late)} readings: {growth:+.1f} MB a wave")
     if args.out:
         Path(args.out).write_text(json.dumps({"launch": args.launch, "env": args.env,
