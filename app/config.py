@@ -339,6 +339,8 @@ class ServerSettings:
     disable_uvicorn_access_log: bool = setting(
         False, "no access line per HTTP request (method, path, status, duration, request "
         "id, and an error answer's reason) in the log (vLLM's flag)")
+    disable_web_ui: bool = setting(False, "no chat page at / (the page and its pool panel: "
+                                   "docs/web_ui.md)")
     disable_log_requests: bool = setting(
         False, "no `request finished` / `request aborted` line per request (its tokens, "
         "times and finish reason) in the log (vLLM's flag)")

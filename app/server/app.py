@@ -39,6 +39,7 @@ from app.server import (
     openai_chat,
     openai_completions,
     responses,
+    web_ui,
 )
 from app.server.auth import authorize
 from app.server.body_checks import check_body
@@ -244,7 +245,8 @@ def build_app(config: EngineConfig, settings: ServerSettings,
         if st.engine is not None:
             await st.engine.stop()
 
-    app = Starlette(routes=ROUTES, lifespan=lifespan,
+    routes = ROUTES if settings.disable_web_ui else ROUTES + web_ui.ROUTES
+    app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(RequestIdMiddleware,
                                            access_log=not settings.disable_uvicorn_access_log),
                                 Middleware(HostCheckMiddleware, listen_host=settings.host,
