@@ -138,6 +138,8 @@ def test_the_pool_panel_shows_what_metrics_says(server, browser):
                    b.find_element(By.ID, e).text == f"{v:g}")
     points = browser.find_element(By.ID, "line-used").get_attribute("points")
     assert points  # the chart is drawn
+    step = httpx.get(server.url + "/plan").json()["live"]["last_step"]["decode"]
+    wait.until(lambda b: b.find_element(By.ID, "mbu").text == f"{round(100 * step['mbu'])} %")
 
 
 def test_with_an_api_key_the_page_asks_for_it(tiny_dir):

@@ -176,6 +176,20 @@ async function poll() {
   draw("line-running", series.running, Math.max(1, ...series.running));
 }
 
+// The last decode step's share of the host's measured bandwidth and compute (/plan).
+async function pollPlan() {
+  let step;
+  try {
+    const r = await fetch("/plan", { headers: headers() });
+    if (!r.ok) return;
+    step = (((await r.json()).live || {}).last_step || {}).decode;
+  } catch (e) {
+    return;
+  }
+  $("mbu").textContent = step ? Math.round(100 * step.mbu) + " %" : "–";
+  $("mfu").textContent = step ? Math.round(100 * step.mfu) + " %" : "–";
+}
+
 $("ask").addEventListener("submit", send);
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("clear").addEventListener("click", () => {
@@ -190,4 +204,6 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 loadModels();
 poll();
+pollPlan();
 setInterval(poll, 1000);
+setInterval(pollPlan, 2000);
