@@ -25,7 +25,7 @@ from app.config import EngineConfig, ServerSettings
 from app.engine.grammar import StructuredOutput
 from app.engine.outputs import RequestOutput
 from app.server import anthropic as anthropic_routes
-from app.server.anthropic_protocol import MessagesRequest, OutputConfig
+from app.server.anthropic_protocol import MessagesRequest, OutputConfig, chat_body
 from app.server.structured import compiled
 from tests.server_harness import ServerThread, assert_idle_and_clean, metric, tiny_config
 
@@ -309,6 +309,32 @@ def test_the_table_lists_every_field_and_each_does_what_it_says(tiny):
         assert r.status_code == 400 and name in r.json()["error"]["message"], name
     r = post(base | {"tools": [{"type": "web_search_20250305", "name": "web_search"}]})
     assert r.status_code == 400 and "tools.0" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("edit, kept", [
+    (None, []), ({"type": "clear_thinking_20251015", "keep": "all"}, ["t1", "t2"]),
+    ({"type": "clear_thinking_20251015"}, ["t2"]),  # Anthropic's default: the last turn
+    ({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}, [])])
+def test_context_management_keeps_the_thinking_it_names(edit, kept):
+    """Earlier turns' thinking is dropped from the prompt, but for the turns a
+    `clear_thinking` edit keeps: those carry it as `reasoning_content`. A mid-conversation
+    system message stays where it stands; `effort` reaches the template."""
+    def turn(thought, text):
+        return {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": thought, "signature": "s"},
+            {"type": "text", "text": text}]}
+    body = {"model": "m", "max_tokens": 8, "output_config": {"effort": "high"}, "messages": [
+        {"role": "user", "content": "a"}, turn("t1", "b"), {"role": "user", "content": "c"},
+        {"role": "system", "content": "be brief"}, turn("t2", "d"),
+        {"role": "user", "content": "e"}]}
+    if edit is not None:
+        body["context_management"] = {"edits": [edit]}
+    chat = chat_body(MessagesRequest.model_validate(body))
+    assert [m.get("reasoning_content") for m in chat["messages"]
+            if m.get("reasoning_content")] == kept
+    assert [m["role"] for m in chat["messages"]] == [
+        "user", "assistant", "user", "system", "assistant", "user"]
+    assert chat["reasoning_effort"] == "high"
 
 
 # -- the output path alone -----------------------------------------------------------------
