@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,14 +34,10 @@ from pathlib import Path
 
 import httpx
 
+from app.replicas import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHED = re.compile(r'^ridgeline:kv_blocks\{[^}]*state="cached"[^}]*\} (\S+)$', re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memory_mb(pid: int) -> dict[str, float]:

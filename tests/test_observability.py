@@ -3,6 +3,7 @@ dashboard and monitoring profile in docker/ — against one real server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -85,24 +86,33 @@ class ContextRecorder(logging.Handler):
         self.records.append(record)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir):
-    recorder, logger = ContextRecorder(), logging.getLogger("ridgeline")
+@contextlib.contextmanager
+def recording(name: str):
+    """A `ContextRecorder` on logger `name` at info, for the block's duration."""
+    recorder, logger = ContextRecorder(), logging.getLogger(name)
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(recorder)
-    srv = ServerThread(tiny_config(tiny_dir)).start()
-    srv.recorder = recorder
-    body = {"model": "tiny", "prompt": "The roofline", "max_tokens": 6, "ignore_eos": True}
-    srv.completion = httpx.post(srv.url + "/v1/completions", json=body | {"n": 3},
-                                headers={"X-Request-Id": "client-id.42"}, timeout=60)
-    srv.streamed = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "stream": True, "ignore_eos": True})
-    yield srv
-    srv.stop()
-    logger.removeHandler(recorder)
-    logger.setLevel(level)
+    try:
+        yield recorder
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    with recording("ridgeline") as recorder:
+        srv = ServerThread(tiny_config(tiny_dir)).start()
+        srv.recorder = recorder
+        body = {"model": "tiny", "prompt": "The roofline", "max_tokens": 6, "ignore_eos": True}
+        srv.completion = httpx.post(srv.url + "/v1/completions", json=body | {"n": 3},
+                                    headers={"X-Request-Id": "client-id.42"}, timeout=60)
+        srv.streamed = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True, "ignore_eos": True})
+        yield srv
+        srv.stop()
 
 
 def families(srv) -> dict:
@@ -271,19 +281,14 @@ def test_every_request_leaves_an_access_line_with_an_errors_reason(server):
 
 def test_the_access_log_can_be_turned_off(tiny_dir):
     """vLLM's `--disable-uvicorn-access-log`: no access line, the answers unchanged."""
-    recorder, logger = ContextRecorder(), logging.getLogger("ridgeline.access")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(recorder)
-    srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
-        log_stats_interval=0, disable_uvicorn_access_log=True)).start()
-    try:
-        assert httpx.get(srv.url + "/v1/models").status_code == 200
-        assert httpx.get(srv.url + "/nowhere").status_code == 404
-    finally:
-        srv.stop()
-        logger.removeHandler(recorder)
-        logger.setLevel(level)
+    with recording("ridgeline.access") as recorder:
+        srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
+            log_stats_interval=0, disable_uvicorn_access_log=True)).start()
+        try:
+            assert httpx.get(srv.url + "/v1/models").status_code == 200
+            assert httpx.get(srv.url + "/nowhere").status_code == 404
+        finally:
+            srv.stop()
     assert recorder.records == []
 
 
@@ -291,20 +296,15 @@ def test_the_access_log_can_be_turned_off(tiny_dir):
 def test_the_per_request_lines_can_be_turned_off(tiny_dir, disabled):
     """vLLM's `--disable-log-requests`: no `request finished` line per request; without
     it each request leaves one, with its tokens and finish reason."""
-    recorder, logger = ContextRecorder(), logging.getLogger("ridgeline.engine")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(recorder)
-    srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
-        log_stats_interval=0, disable_log_requests=disabled)).start()
-    try:
-        done = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "req-1"},
-                          json={"model": "tiny", "prompt": "x", "max_tokens": 3})
-        assert done.status_code == 200
-    finally:
-        srv.stop()
-        logger.removeHandler(recorder)
-        logger.setLevel(level)
+    with recording("ridgeline.engine") as recorder:
+        srv = ServerThread(tiny_config(tiny_dir), ServerSettings(
+            log_stats_interval=0, disable_log_requests=disabled)).start()
+        try:
+            done = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "req-1"},
+                              json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+            assert done.status_code == 200
+        finally:
+            srv.stop()
     finished = [rec for (msg, ctx), rec in zip(recorder.lines, recorder.records)
                 if msg == "request finished" and ctx.get("x_request_id") == "req-1"]
     if disabled:
