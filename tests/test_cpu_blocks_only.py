@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu.cpu.kernels.build import cpu_kernels
-from gpu.cpu.linear import PackedLinear
+from gpu.cpu.linear import PackedLinear, reads_panel_levels
 from gpu.cpu.packing import SplitLinear, pack_linears, params_not_needed
 from gpu.cpu.panel_blocks import PANEL, PanelBlocks
 from gpu.cpu.routing import Route
@@ -66,8 +66,11 @@ def test_a_layer_of_blocks_alone_agrees_at_every_row_count(type_name, dtype):
         tol = dict(atol=1e-2 * scale, rtol=1e-2) if dtype == torch.bfloat16 else \
             dict(atol=1e-5 * scale, rtol=1e-4)
         torch.testing.assert_close(layer(x).float(), want, **tol)
-        # The unpacked route itself, whichever rows the routing hands it on this host.
-        torch.testing.assert_close(no_amx._unpacked(x).float(), want, **tol)
+        torch.testing.assert_close(no_amx(x).float(), want, **tol)
+        # The unpacked route itself, whichever rows the routing hands it on this host,
+        # where some call can take it (not where the dot kernel's pairs serve every one).
+        if reads_panel_levels(no_amx.plan, q.format):
+            torch.testing.assert_close(no_amx._unpacked(x).float(), want, **tol)
     assert layer.plan.route(10**6) in (Route.UNPACKED, Route.AMX, Route.BLOCKS)
 
 

@@ -78,6 +78,20 @@ def test_the_paired_kernels_read_codes_as_they_read_float32(op, rows):
     assert torch.equal(f32, coded)
 
 
+@pytest.mark.skipif(CAPS is None or CAPS.isa != "avx512", reason="the pairs are AVX-512's")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 24, 25, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_exact_kernel_reads_the_pairs_as_it_reads_the_panels(rows, dtype):
+    """`q4_1_linear` on the dot kernel's pairs (`q4_1_pairs.h`), with float32 scales or
+    the codes: bit for bit its result on the panels, on each of its paths (per block up
+    to 4 rows, widened in registers to 24, through its L1 buffer above)."""
+    blocks, _ = read_q4_k(72, 768, seed=rows)
+    x = torch.randn(rows, 768).to(dtype)
+    want = KERNELS.q4_1_linear(x, *blocks.tensors, 72)
+    assert torch.equal(KERNELS.q4_1_linear(x, blocks.dot, *blocks.tensors[1:], 72), want)
+    assert torch.equal(KERNELS.q4_1_linear(x, blocks.dot, *blocks.codes, 72), want)
+
+
 @needs_dot
 def test_codes_that_do_not_fit_are_refused():
     blocks, _ = read_q4_k(32, 512, seed=3)
@@ -89,22 +103,22 @@ def test_codes_that_do_not_fit_are_refused():
 
 @needs_dot
 def test_a_layer_on_the_paired_kernels_alone_keeps_the_codes_alone():
-    """bf16 on AMX, blocks alone: every call reads the pairs and the codes, so the layer
-    holds 0.5 + 0.094 bytes a weight (no panel levels, no float32 scales); elsewhere the
-    float32 kernel's panels stay beside them and the dot kernel still reads the codes."""
+    """bf16, blocks alone, with AMX or without: every call reads the pairs and the codes
+    (the dot kernel, the AMX tile kernel, the exact kernel), so the layer holds 0.5 +
+    0.094 bytes a weight (no panel levels, no float32 scales)."""
     n, k = 64, 512
     blocks, raw = read_q4_k(n, k, seed=4)
-    layer = PackedLinear(torch.empty(n, k, dtype=torch.bfloat16), quantized=blocks,
-                         kernels=CAPS, amx=True, blocks_only=True)
-    assert layer._dot_args[1] is blocks.codes[0] and layer._dot_args[2] is blocks.codes[1]
-    if CAPS.amx:
-        assert layer._amx_args[1:3] == layer._dot_args[1:3]
+    x = torch.randn(300, k).bfloat16()
+    want = x.float() @ rewritten("Q4_K", raw, n).dequantize().T
+    for amx in (True, False):
+        layer = PackedLinear(torch.empty(n, k, dtype=torch.bfloat16), quantized=blocks,
+                             kernels=CAPS, amx=amx, blocks_only=True)
+        assert layer._dot_args[1] is blocks.codes[0] and layer._dot_args[2] is blocks.codes[1]
+        assert layer._quantized_args[:3] == layer._dot_args[:3]
+        if layer.amx_rows is not None:
+            assert layer._amx_args[1:3] == layer._dot_args[1:3]
         assert all(t.numel() == 0 for t in layer.quantized.tensors)
         assert layer.nbytes == layer.read_bytes == n * k * (0.5 + 3 / 32)
-    else:
-        assert layer.quantized.tensors[1] is blocks.tensors[1]
-    x = torch.randn(6, k).bfloat16()
-    want = x.float() @ rewritten("Q4_K", raw, n).dequantize().T
-    for rows in (1, 6):
-        torch.testing.assert_close(layer(x[:rows]).float(), want[:rows],
-                                   atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+        for rows in (1, 6, 300):
+            torch.testing.assert_close(layer(x[:rows]).float(), want[:rows],
+                                       atol=1e-2 * want.abs().max().item(), rtol=1e-2)

@@ -87,13 +87,22 @@ def _plan(dtype: torch.dtype, blocks: str | None, capabilities: CpuCapabilities,
     return plan_routes(LinearLayer(dtype, blocks, int8_activations, blocks_only), asked)
 
 
+def holds_pairs(plan: RoutePlan, fmt: str) -> bool:
+    """Whether a layer with `plan` over `fmt` blocks holds Q4_1's levels regrouped as
+    `dot_pairs`: for the bf16 dot kernel or the Q4_1 AMX kernel. Its blocks' calls then
+    read them too (`q4_1_linear` takes either layout, q4_1_pairs.h)."""
+    return fmt == "q4_1" and (plan.dot_max_rows > 0 or plan.amx_rows is not None)
+
+
 def reads_panel_levels(plan: RoutePlan, fmt: str) -> bool:
     """Whether some call of a layer with `plan` over `fmt` blocks reads the panels' levels:
-    not where the dot kernel and the Q4_1 AMX kernel, both from the levels regrouped as
-    `dot_pairs`, take every call (bf16 on AMX, the blocks held alone)."""
-    return not (fmt == "q4_1" and plan.amx_rows is not None and plan.unpacked
-                and plan.dot_max_rows >= plan.blocks_max_rows
-                and plan.amx_rows.stop == sys.maxsize)
+    not where the pairs serve every call but the unpacked route's, and no call of the
+    blocks held alone gets that far (bf16 with AVX512-BF16 or AMX)."""
+    if not holds_pairs(plan, fmt):
+        return True
+    covered = plan.blocks_max_rows == sys.maxsize or (
+        plan.amx_rows is not None and plan.amx_rows.stop == sys.maxsize)
+    return not (plan.unpacked and covered)
 
 
 class PackedLinear(nn.Module):
@@ -159,13 +168,13 @@ class PackedLinear(nn.Module):
         # kernel also reads the panels. Q8_0's AMX kernel reads the panels. Beside
         # them a Q4_K's scale codes where the blocks have them, else float32 scales.
         pairs = (self.quantized.dot_pairs(capabilities)
-                 if quantized is not None and quantized.format == "q4_1"
-                 and (plan.dot_max_rows or plan.amx_rows is not None) else None)
-        # The ops' block arguments, bound once rather than per call.
-        self._quantized_args = (() if self.quantized is None
-                                else (*self.quantized.tensors, self.out_features))
+                 if quantized is not None and holds_pairs(plan, quantized.format) else None)
+        # The ops' block arguments, bound once rather than per call: where the layer
+        # holds the pairs, the exact kernel reads them too.
         paired = (() if pairs is None
                   else (pairs, *self.quantized.paired_scales, self.out_features))
+        self._quantized_args = (() if self.quantized is None else paired
+                                or (*self.quantized.tensors, self.out_features))
         self._dot_args = paired if plan.dot_max_rows else ()
         self._amx_args = paired or self._quantized_args
         self.dot_pairs = pairs
@@ -174,12 +183,11 @@ class PackedLinear(nn.Module):
         self.plain = (None if not plan.plain_below else narrow if self.widen else weight)
         self._plain_below = plan.plain_below
         self.plan = plan
-        # Where the dot kernel and the tile unit take every call (bf16 on AMX, the blocks
-        # held alone), nothing reads the panels' levels, only their scales and minimums
-        # (or codes in their place): the pairs hold the same bytes, so these go.
+        # Where the pairs serve every call (bf16 with the blocks held alone), nothing reads
+        # the panels' levels, only their scales and minimums (or codes in their place):
+        # the pairs hold the same bytes, so these go.
         if self.quantized is not None and not reads_panel_levels(plan, quantized.format):
             self.quantized = self.quantized.without_levels()
-            self._quantized_args = ()
 
     @property
     def block_max_rows(self) -> int:

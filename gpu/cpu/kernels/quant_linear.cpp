@@ -7,7 +7,8 @@
 // 0.75 (Q4_1: 16 nibble bytes + fp32 d and m per 32) or 1.125 (Q8_0) bytes per weight
 // and are widened in registers.
 //
-// Formats, layout and exactness: quant_blocks.h.
+// Formats, layout and exactness: quant_blocks.h (a Q4_1 layer's levels held as the bf16
+// dot kernel's pairs instead: q4_1_pairs.h).
 //
 // Algorithm, parallel over panels; x's rows are split into tiles of equal size, at most
 // kTile (12), each read in place (row stride xs):
@@ -46,6 +47,7 @@
 #include <vector>
 
 #include "entry_points.h"
+#include "q4_1_pairs.h"
 #include "q8_16_blocks.h"
 
 #ifdef __AVX512F__
@@ -59,6 +61,10 @@ namespace {
 using namespace quant;
 
 constexpr int64_t kDirectMaxRows = 24;  // widen in registers, once per tile, up to here
+// The loops over a block's 16 k pairs are unrolled (`#pragma GCC unroll 16`), so that j
+// is a constant in each copy: the pairs' widening (q4_1_pairs.h) shifts by immediates,
+// not by a count in a register (two micro-ops on Intel), and every format's widening
+// folds its offsets (benchmarks/cpu_quant_linear_ab.py times the paths).
 
 #ifdef __AVX512F__
 // T rows of a panel's 32 outputs (row stride os), the lanes past `cols` left alone.
@@ -79,6 +85,7 @@ inline void tile_direct(const W& w, int64_t p, const float* x, int64_t xs, float
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const auto bl = w.block(p, b);
+    #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
       __m512 lo0, lo1, hi0, hi1;
       W::widen(bl, j, lo0, lo1, hi0, hi1);
@@ -112,6 +119,7 @@ inline void tile_per_block(const W& w, int64_t p, const float* x, int64_t xs,
     // k = j only, and hx over k = j + 16, so that each half is scaled once.
     __m512 qx[T][2], hx[T][2];
     for (int t = 0; t < T; ++t) qx[t][0] = qx[t][1] = hx[t][0] = hx[t][1] = _mm512_setzero_ps();
+    #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
       if constexpr (W::kReadsAhead) W::read_ahead(bl, j);
       __m512 lo0, lo1, hi0, hi1;
@@ -214,6 +222,7 @@ void quant_linear(const W& w, const float* x_ptr, int64_t M, int64_t xs, int64_t
         const int64_t kc = std::min(kChunk, K - k0);
         for (int64_t b = k0 / kBlock; b < (k0 + kc) / kBlock; ++b) {
           const auto bl = w.block(p, b);
+          #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j) {
             __m512 lo0, lo1, hi0, hi1;
             W::widen(bl, j, lo0, lo1, hi0, hi1);
@@ -341,8 +350,27 @@ at::Tensor in_float32(const W& w, const at::Tensor& x, int64_t N) {
 
 namespace kernels {
 
+// A Q4_1 layer held as the dot kernel's pairs (q4_1_pairs.h): the same values.
+static at::Tensor q4_1_pairs_linear(const at::Tensor& x, const at::Tensor& qpairs,
+                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
+  const char* op = "q4_1_linear";
+  const int64_t K = check_panels(qpairs, at::kInt, 4, N, op);
+  check_x(x, K, op);
+  const Q4_1Scales sc = Q4_1Scales::of(scales, mins, qpairs.size(0), K, op);
+#ifdef __AVX512F__
+  const auto* qp = reinterpret_cast<const uint32_t*>(qpairs.const_data_ptr<int32_t>());
+  if (sc.d != nullptr) return in_float32(Q4_1Pairs<false>{qp, sc, K}, x, N);
+  return in_float32(Q4_1Pairs<true>{qp, sc, K}, x, N);
+#else
+  TORCH_CHECK(false, op, ": levels as dot pairs are read on AVX-512 only");
+#endif
+}
+
+// qweight: the panels' levels (uint8 [P, K/32, 16, 32]), or the dot kernel's pairs
+// (int32 [P, K/32, 4, 32], `PanelBlocks.dot_pairs`) with float32 scales or a Q4_K's codes.
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t N) {
+  if (qweight.scalar_type() == at::kInt) return q4_1_pairs_linear(x, qweight, scales, mins, N);
   const int64_t K = check_panels(qweight, at::kByte, 16, N, "q4_1_linear");
   check_x(x, K, "q4_1_linear");
   check_per_block(scales, qweight, "scales", "q4_1_linear");
