@@ -70,6 +70,7 @@ class RunnerSpec:
     torch_threads: int | None  # None: torch's default
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
     int8_activations: bool = False  # those blocks for every call, x quantized to int8
+    int8_prefill: bool = False  # prompts' calls so, on CPUs without AMX (`gpu/cpu/routing.py`)
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
     draft_window: int | None = None  # its window of tokens (None: max_model_len)
@@ -91,12 +92,12 @@ class RunnerSpec:
         return cls(**(values | overrides))
 
 
-def cpu_capabilities(backend_name: str, device: torch.device) -> CpuCapabilities | None:
+def cpu_capabilities(backend_name: str, device: torch.device,
+                     int8_prefill: bool = False) -> CpuCapabilities | None:
     """What the CPU and its C++ kernels can do, resolved once at load (None off CPU); the
     kernels are loaded for the `auto` attention backend (`torch`: plain torch)."""
-    if device.type != "cpu":
-        return None
-    return resolve_cpu_capabilities(use_kernels=backend_name == "auto")
+    if device.type == "cpu":
+        return resolve_cpu_capabilities(backend_name == "auto", int8_prefill)
 
 
 def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int,
@@ -172,7 +173,7 @@ class ModelRunner:
         self._free_at_start = (torch.cuda.mem_get_info(self.device)[0]
                                if self.device.type == "cuda" else None)
         # Resolved once; the backend, the decoder ops and the linears ask it.
-        self.capabilities = cpu_capabilities(spec.attention_backend, self.device)
+        self.capabilities = cpu_capabilities(spec.attention_backend, self.device, spec.int8_prefill)
         if self.capabilities is not None:
             log.info("CPU capabilities: %s", describe(self.capabilities))
         self.backend: AttentionBackend = make_backend(
@@ -244,8 +245,7 @@ class ModelRunner:
         self.plan: KVPlan = plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(
                 self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                kv_dtype_bytes,
-            ),
+                kv_dtype_bytes),
             block_size=spec.block_size,
             max_model_len=spec.max_model_len, fit_max_model_len=spec.fit_max_model_len,
             # Sized from the GPU's memory, the pool leaves room for the LoRA slots too.

@@ -109,11 +109,46 @@ def test_int8_edge_blocks() -> None:
 
 
 @needs_int8
+@pytest.mark.parametrize("m", [1, 13, 64, 300])
+def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
+    """A bf16 model's prompt calls (`int8_prefill`): bf16 x, widened exactly, and the
+    float32 sums rounded to bf16 once, as the exact kernels do."""
+    k, n = 576, 70
+    x = torch.randn(m, k).bfloat16()
+    for fmt, tensors in (("q4_1", random_q4_1(n, k)), ("q8_0", random_q8_0(n, k))):
+        out = run(fmt, x, tensors)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, run(fmt, x.float(), tensors).bfloat16())
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_linear_supported()
+                    or int(KERNELS.vector_width()) != 16, reason="the pairs are AVX-512's")
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:
+    """A bf16 Q4_K layer where the dot kernel is holds its levels as that kernel's pairs
+    with the file's scale codes (`q4_1_pairs.h`): the int8 kernel reads them (x's levels
+    in the pairs' order, `int8_pairs.h`) to the same bits as the panels."""
+    from tests.test_cpu_q4_k_codes import read_q4_k
+
+    n, k = 72, 768
+    blocks, _ = read_q4_k(n, k, seed=m)
+    x = torch.randn(m, k).to(dtype)
+    want = KERNELS.q4_1_linear_int8(x, *blocks.tensors, n)
+    assert torch.equal(KERNELS.q4_1_linear_int8(x, blocks.dot, *blocks.tensors[1:], n), want)
+    assert torch.equal(KERNELS.q4_1_linear_int8(x, blocks.dot, *blocks.codes, n), want)
+    levels = q4_1_levels(blocks.tensors[0].permute(0, 3, 1, 2).reshape(-1, k // 2)[:n])
+    scales, mins = (t.permute(0, 2, 1).reshape(-1, k // BLOCK)[:n] for t in blocks.tensors[1:])
+    wide = KERNELS.q4_1_linear_int8(x.float(), *blocks.tensors, n)  # bf16: its rounding
+    assert_matches(wide, reference(x.float(), levels, scales, mins))
+
+
+@needs_int8
 def test_int8_bad_inputs_are_refused() -> None:
     qw, scales, mins = PanelBlocks.of(QuantizedWeight("q4_1", *random_q4_1(40, 64))).tensors
     with pytest.raises(RuntimeError, match="K = x's"):
         KERNELS.q4_1_linear_int8(torch.randn(2, 32), qw, scales, mins, 40)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         KERNELS.q4_1_linear_int8(torch.randn(2, 64).double(), qw, scales, mins, 40)
     with pytest.raises(RuntimeError, match="N within"):
         KERNELS.q4_1_linear_int8(torch.randn(2, 64), qw, scales, mins, 80)
@@ -152,7 +187,7 @@ def test_int8_smollm2_scores_close_to_exact() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     scores = {}
     for int8 in (False, True):
-        llm = LLM(int8_activations=int8, max_model_len=512)
+        llm = LLM(int8_activations=int8, int8_prefill=False, max_model_len=512)
         try:
             if int8:
                 model = llm.engine.worker.wait_ready().model

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from gpu.cpu.capabilities import OPS, CpuCapabilities
-from gpu.cpu.routing import LinearLayer, LinearShape, Route, choose_route, plan_routes
+from gpu.cpu.routing import (
+    INT8_PREFILL_MIN_ROWS,
+    LinearLayer,
+    LinearShape,
+    Route,
+    choose_route,
+    plan_routes,
+)
 
 F32, BF16 = torch.float32, torch.bfloat16
 WITH_AMX = frozenset(OPS)
@@ -108,3 +115,37 @@ def test_plan_holds_only_what_its_routes_need():
     assert plan_routes(LinearLayer(F32, "q4_1"), AVX2).packed
     assert not plan_routes(LinearLayer(F32, None), AVX2).blocks
     assert plan_routes(LinearLayer(BF16, "q4_1"), AMX).amx_rows is not None
+
+
+# A prompt's calls without AMX (`int8_prefill`, on by default where the CPU can): int8 x
+# from `INT8_PREFILL_MIN_ROWS` rows, decode's fewer rows as before, blocks held alone.
+PROMPT_TABLE = [
+    (AVX512_BF16, BF16, "q4_1", 3, DOT),
+    (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
+    (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
+    (AVX512_BF16, BF16, "q8_0", 10**6, I8),
+    (AVX512_BF16, BF16, "q8_16", 10**6, B),  # no int8 kernel for Q8_16: exact
+    (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
+    (AVX2, F32, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
+    (AVX2, F32, "q4_1", 4096, I8),  # before the unpacked route
+    (AVX2, BF16, "q8_0", INT8_PREFILL_MIN_ROWS, I8),
+    (AVX512_BF16, BF16, None, 4096, Route.PACKED),  # no blocks, no int8
+    (PORTABLE, F32, "q4_1", 4096, Route.PACKED),  # no int8 kernels (nor blocks)
+]
+
+
+@pytest.mark.parametrize(("capabilities", "dtype", "blocks", "rows", "route"), PROMPT_TABLE)
+def test_prompt_route(capabilities, dtype, blocks, rows, route):
+    on = dataclasses.replace(capabilities, int8_prefill=capabilities.int8)
+    shape = LinearShape(rows, LinearLayer(dtype, blocks, blocks_only=blocks is not None))
+    assert choose_route(shape, on) == route
+    # Off (`--no-int8-prefill`, or a CPU with AMX): the exact kernels take every call.
+    assert choose_route(shape, capabilities) != I8
+
+
+def test_amx_keeps_prompts_exact():
+    """The tile unit is faster than int8 there: `resolve` never turns it on with AMX, and
+    a layer with an AMX route never takes int8 for its prompts."""
+    on = dataclasses.replace(AMX, int8_prefill=True)
+    layer = LinearLayer(BF16, "q4_1", blocks_only=True)
+    assert choose_route(LinearShape(4096, layer), on) == AMX_

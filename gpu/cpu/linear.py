@@ -156,6 +156,10 @@ class PackedLinear(nn.Module):
         self._quantized_op = (capabilities.op(f"{quantized.format}_linear{suffix}")
                               if plan.blocks else None)
         self.quantized_max_rows = plan.blocks_max_rows
+        # Calls of a prompt's rows on a CPU without AMX: the int8 kernel, same arguments.
+        self._int8_min_rows = plan.int8_min_rows or sys.maxsize
+        self._int8_op = (capabilities.op(f"{quantized.format}_linear_int8")
+                         if plan.int8_min_rows else None)
         # bf16 calls of the fewest rows: the AVX512-BF16 dot-product kernel, same blocks.
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
@@ -217,7 +221,7 @@ class PackedLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] <= self.quantized_max_rows:  # a decode step's call
             return self._blocks(x)
         rows = x.numel() // x.shape[-1]
-        if rows <= self.quantized_max_rows:
+        if rows <= self.quantized_max_rows or rows >= self._int8_min_rows:
             out = self._blocks(x.reshape(rows, self.in_features))
             return out.view(*x.shape[:-1], self.out_features)
         if self.amx_rows is not None and rows in self.amx_rows:
@@ -236,6 +240,8 @@ class PackedLinear(nn.Module):
         # bf16 x too: the kernels widen it, multiply in float32 and round the sums once.
         if x.shape[0] <= self._dot_max_rows:
             return self._dot_op(x, *self._dot_args)
+        if x.shape[0] >= self._int8_min_rows:
+            return self._int8_op(x, *self._quantized_args)
         return self._quantized_op(x, *self._quantized_args)
 
     def _unpacked(self, x: torch.Tensor) -> torch.Tensor:

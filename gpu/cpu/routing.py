@@ -17,8 +17,10 @@ The routes, in the order a call tries them:
   bf16 x, summed in float32), fewer instructions to widen the weights, and its blocks
   read ahead of use; to three rows it beats `blocks` and `amx`, from four the tile unit
   wins.
-- `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`), for
-  every call, when `--int8-activations` asks for it: not exact, so never chosen alone.
+- `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`): on
+  a CPU without AMX (`CpuCapabilities.int8_prefill`), calls of `INT8_PREFILL_MIN_ROWS`
+  rows or more (a prompt's prefill); with `--int8-activations`, every call. Not exact:
+  x is rounded to 8 bits per block of 32, as llama.cpp does for every call.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
   (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
   where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16
@@ -81,6 +83,12 @@ BLOCKS_ONLY_MAX_ROWS = {
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
 BF16_DOT_MAX_ROWS = {"q4_1": 3}
+# Without AMX, calls of at least this many rows quantize x to int8 (`Route.BLOCKS_INT8`):
+# where there is no tile unit, integer dot products (VNNI, or AVX2's vpmaddubsw) run at
+# 2-4x the exact kernel's float32 FMAs from a few rows up (`benchmarks/cpu_quant_linear_ab.py`),
+# and a prompt is most of a CPU's time to first token. The rows sit above what decode
+# steps and speculative verify steps usually have, so those stay exact.
+INT8_PREFILL_MIN_ROWS = 64
 
 
 class Route(str, Enum):
@@ -145,6 +153,7 @@ class RoutePlan:
     widen: bool = False
     dot_max_rows: int = 0  # 0: no bf16 dot-product kernel; never above blocks_max_rows
     unpacked: bool = False  # the rest unpack the blocks per call, not oneDNN's packed copy
+    int8_min_rows: int = 0  # 0: none; else calls of these rows or more take int8 x
 
     @property
     def blocks(self) -> bool:
@@ -158,6 +167,8 @@ class RoutePlan:
     def route(self, rows: int) -> Route:
         if rows <= self.dot_max_rows:
             return Route.BLOCKS_BF16
+        if self.int8_min_rows and rows >= self.int8_min_rows:
+            return Route.BLOCKS_INT8
         if rows <= self.blocks_max_rows:
             return self.blocks_route
         if self.amx_rows is not None and rows in self.amx_rows:
@@ -195,8 +206,10 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
             amx_rows = range(amx_rows.start, sys.maxsize)
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
+    int8 = (INT8_PREFILL_MIN_ROWS if capabilities.int8_prefill and amx_rows is None
+            and capabilities.int8 and capabilities.has(f"{fmt_op}_int8") else 0)
     return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,
-                     unpacked=unpacked)
+                     unpacked=unpacked, int8_min_rows=int8)
 
 
 def choose_route(shape: LinearShape, capabilities: CpuCapabilities) -> Route:

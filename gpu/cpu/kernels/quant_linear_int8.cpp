@@ -34,9 +34,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
+#include "int8_pairs.h"
 #include "quant_blocks.h"
+#include "round_bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define RIDGELINE_INT8 1
@@ -62,10 +65,13 @@ struct Int8Rows {
 
 // Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
-// and levels 0.
-Int8Rows quantize_rows(const at::Tensor& x) {
+// and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
+// `kPairOrder` for the pairs.
+Int8Rows quantize_rows(const at::Tensor& x, bool pair_order) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
-  const float* src = x.const_data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* src = bf16 ? nullptr : x.const_data_ptr<float>();
+  const c10::BFloat16* src16 = bf16 ? x.const_data_ptr<c10::BFloat16>() : nullptr;
   Int8Rows r;
   r.M = M;
   r.blocks = K / kBlock;
@@ -73,9 +79,15 @@ Int8Rows quantize_rows(const at::Tensor& x) {
   r.d.resize(M * r.blocks);
   r.sum.resize(M * r.blocks);
   at::parallel_for(0, M * r.blocks, 256, [&](int64_t begin, int64_t end) {
+    float widened[kBlock];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / M, t = i % M;
       const float* v = src + t * xs + b * kBlock;
+      if (bf16) {
+        for (int64_t j = 0; j < kBlock; ++j)
+          widened[j] = static_cast<float>(src16[t * xs + b * kBlock + j]);
+        v = widened;
+      }
       int8_t* q = r.q.data() + i * kBlock;
 #ifndef RIDGELINE_INT8_AVX512
       avx2::quantize_block(v, q, r.d[i], r.sum[i]);
@@ -92,6 +104,11 @@ Int8Rows quantize_rows(const at::Tensor& x) {
       r.d[i] = d;
       r.sum[i] = sum;
 #endif
+      if (pair_order) {
+        int8_t k_order[kBlock];
+        std::memcpy(k_order, q, kBlock);
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+      }
     }
   });
   return r;
@@ -245,31 +262,72 @@ void check_int8(const at::Tensor& x, const at::Tensor& qweight, int64_t per_bloc
   TORCH_CHECK(false, op, ": needs a CPU with AVX512-VNNI and AVX512-VBMI, or AVX2 (this build "
               "has neither)");
 #endif
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
-              ": x must be float32 [M, K] with contiguous rows, got ", x.scalar_type(), " ",
-              x.sizes(), " strides ", x.strides());
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.stride(1) == 1,
+              op, ": x must be float32 or bfloat16 [M, K] with contiguous rows, got ",
+              x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
   TORCH_CHECK(qweight.dim() == 4 && qweight.is_contiguous() && qweight.size(2) == per_block &&
                   qweight.size(3) == kPanel && x.size(1) == qweight.size(1) * kBlock,
               op, ": qweight must be contiguous [panels, K/32, ", per_block,
               ", 32] with K = x's, got ", qweight.sizes(), " for x ", x.sizes());
 }
 
+// An [M, N] result of x's dtype, `linear` writing its float32 values: into it for float32
+// x, else into a buffer rounded to bf16 after, as the exact kernel rounds its sums.
+template <typename Fn>
+at::Tensor in_float32(const at::Tensor& x, int64_t N, Fn&& linear) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    linear(out.mutable_data_ptr<float>());
+    return out;
+  }
+  std::unique_ptr<float[]> sums(new float[x.size(0) * N]);
+  linear(sums.get());
+  round_to_bf16(sums.get(), out.mutable_data_ptr<c10::BFloat16>(), x.size(0) * N);
+  return out;
+}
+
+// qweight: the panels' levels (uint8 [P, K/32, 16, 32]) with float32 scales and mins, or
+// on AVX-512 the dot kernel's pairs (int32 [P, K/32, 4, 32]) with float32 scales and
+// mins or a Q4_K's codes and supers.
 at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
-  check_int8(x, qweight, 16, "q4_1_linear_int8");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && N > (qweight.size(0) - 1) * kPanel &&
-                  N <= qweight.size(0) * kPanel && scales.sizes() == mins.sizes() &&
-                  scales.is_contiguous() && mins.is_contiguous(),
-              "q4_1_linear_int8: uint8 panels, N within them, scales and mins alike");
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-#ifdef RIDGELINE_INT8
-  if (x.size(0) == 0) return out;
-  const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-               mins.const_data_ptr<float>(), x.size(1)};
-  int8_linear(w, quantize_rows(x), N, out.mutable_data_ptr<float>(),
-              [](auto T, auto&&... args) { tile_q4_1<decltype(T)::value>(args...); });
+  const char* op = "q4_1_linear_int8";
+  const bool pairs = qweight.scalar_type() == at::kInt;
+  check_int8(x, qweight, pairs ? 4 : 16, op);
+  TORCH_CHECK((pairs || qweight.scalar_type() == at::kByte) &&
+                  N > (qweight.size(0) - 1) * kPanel && N <= qweight.size(0) * kPanel,
+              op, ": uint8 panels or int32 pairs, N within them");
+  if (pairs) {
+    const Q4_1Scales sc = Q4_1Scales::of(scales, mins, qweight.size(0), x.size(1), op);
+#ifdef RIDGELINE_INT8_AVX512
+    const Pairs w{reinterpret_cast<const uint32_t*>(qweight.const_data_ptr<int32_t>()), sc,
+                  x.size(1)};
+    return in_float32(x, N, [&](float* out) {
+      const Int8Rows rows = quantize_rows(x, true);
+      using int8_pairs::tile_pairs;
+      if (sc.d != nullptr)
+        int8_linear(w, rows, N, out,
+                    [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
+      else
+        int8_linear(w, rows, N, out,
+                    [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
+    });
+#else
+    TORCH_CHECK(false, op, ": levels as dot pairs are read with AVX512-VNNI only");
 #endif
-  return out;
+  }
+  TORCH_CHECK(scales.sizes() == mins.sizes() && scales.is_contiguous() && mins.is_contiguous(),
+              op, ": scales and mins alike");
+  return in_float32(x, N, [&](float* out) {
+#ifdef RIDGELINE_INT8
+    const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+                 mins.const_data_ptr<float>(), x.size(1)};
+    int8_linear(w, quantize_rows(x, false), N, out,
+                [](auto T, auto&&... args) { tile_q4_1<decltype(T)::value>(args...); });
+#endif
+  });
 }
 
 at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
@@ -278,14 +336,13 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(qweight.scalar_type() == at::kChar && N > (qweight.size(0) - 1) * kPanel &&
                   N <= qweight.size(0) * kPanel && scales.is_contiguous(),
               "q8_0_linear_int8: int8 panels, N within them, contiguous scales");
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  return in_float32(x, N, [&](float* out) {
 #ifdef RIDGELINE_INT8
-  if (x.size(0) == 0) return out;
-  const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), x.size(1)};
-  int8_linear(w, quantize_rows(x), N, out.mutable_data_ptr<float>(),
-              [](auto T, auto&&... args) { tile_q8_0<decltype(T)::value>(args...); });
+    const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), x.size(1)};
+    int8_linear(w, quantize_rows(x, false), N, out,
+                [](auto T, auto&&... args) { tile_q8_0<decltype(T)::value>(args...); });
 #endif
-  return out;
+  });
 }
 
 bool int8_linear_supported() {

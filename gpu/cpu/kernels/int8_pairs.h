@@ -1,0 +1,89 @@
+// x quantized to int8 against a Q4_1 layer held as the bf16 dot kernel's pairs
+// (q4_1_pairs.h, `PanelBlocks.dot_pairs`) with float32 scales or a Q4_K's codes
+// (q4_1_scales.h), on AVX512-VNNI: quant_linear_int8.cpp's algorithm (it has the
+// entry point, x's quantization and the rows' tiling) on the layout a bf16 Q4_K layer
+// holds where the dot kernel is, so that its prefill's calls need no panels.
+//
+// Per block, chunk c of the pairs is a dword per output; its bytes masked to their low
+// nibbles hold 4 of the output's levels, to their high nibbles 4 more, each an unsigned
+// vpdpbusd operand as it stands. x's levels are quantized in the matching order
+// (`kPairOrder`), so each row's 4 bytes are one broadcast dword: one load, a shift and
+// two masks per 16 outputs and 8 k, where the panels take a two-register byte gather.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "q4_1_scales.h"
+#include "quant_blocks.h"
+
+namespace quant {
+
+// The order of a block's 32 x levels against a Q4_1 layer held as the dot kernel's pairs
+// (q4_1_pairs.h): per chunk c, the bytes `v & 0x0F` of its dwords hold k = 4c + 16,
+// 4c + 18, 4c, 4c + 2 and those of `v >> 4 & 0x0F` k = 4c + 17, 4c + 19, 4c + 1, 4c + 3.
+constexpr uint8_t kPairOrder[32] = {16, 18, 0, 2, 17, 19, 1, 3, 20, 22, 4, 6, 21, 23, 5, 7,
+                                    24, 26, 8, 10, 25, 27, 9, 11, 28, 30, 12, 14, 29, 31, 13, 15};
+
+// A Q4_1 weight held as the dot kernel's pairs ([panels][K/32][4][32] dwords) with its
+// scales and mins, float32 or a Q4_K's codes (q4_1_scales.h).
+struct Pairs {
+  const uint32_t* qp;
+  Q4_1Scales sc;
+  int64_t K;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+namespace int8_pairs {
+
+inline __m512i broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// T rows of x (levels in `kPairOrder`) against half `half` of a Q4_1 panel p held as the
+// dot kernel's pairs: per chunk one load of 16 outputs' dwords, its low and high nibbles
+// masked out as bytes, no gather (the panels' vpermt2b). Scales: q4_1_scales.h.
+template <int T, bool kCoded, typename Rows>
+inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
+                       int64_t r0, float* out, int64_t os, int64_t cols) {
+  __mmask16 masks[2];
+  column_masks(cols, masks[0], masks[1]);
+  const __mmask16 mask = masks[half];
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int64_t blocks = w.K / kBlock;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + 16 * half;
+    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d.data() + b * x.M + r0;
+    const float* xsum = x.sum.data() + b * x.M + r0;
+    __m512i dot[T];
+    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(q + c * kPanel);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int t = 0; t < T; ++t) {
+        dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4(xq + t * kBlock + 8 * c));
+        dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4(xq + t * kBlock + 8 * c + 4));
+      }
+    }
+    __m512 d, m;
+    w.sc.load<kCoded>(p, b, half, d, m);
+    for (int t = 0; t < T; ++t) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_set1_ps(xd[t]));
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), _mm512_fmadd_ps(scaled, d, acc[t]));
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
+}
+}  // namespace int8_pairs
+#endif
+
+}  // namespace quant
