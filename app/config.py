@@ -200,10 +200,11 @@ class EngineConfig:
         "matmuls take ~0.55-0.7x the time from 16 rows up, but tokens can differ from an "
         "exact run's")
     int8_prefill: bool = setting(
-        True, "on CPUs without AMX, a GGUF's layers quantize x to int8 per block of 32 in "
-        "calls of 64 rows or more (prompts), as llama.cpp does in every call, and multiply "
-        "bytes (AVX512-VNNI or AVX2): 2-4x the exact kernels' rate there; decode steps of "
-        "fewer rows stay exact. --no-int8-prefill: every call exact")
+        True, "on CPUs without AMX, a bf16 model's GGUF layers quantize x to int8 per block "
+        "of 32 in calls of 64 rows or more (prompts), as llama.cpp does in every call, and "
+        "multiply bytes (AVX512-VNNI or AVX2): 2-4x the exact kernels' rate there; decode "
+        "steps of fewer rows and float32 models stay exact. --no-int8-prefill: every call "
+        "exact")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
     chat_template_render_timeout: float = setting(

@@ -1,17 +1,18 @@
-"""Prompts in int8 on CPUs without AMX (`--int8-prefill`, on by default there): the real
-SmolLM2 served as such a CPU serves it. On a host with AMX the check runs in a process
-capped to AVX-512 without AMX (`RIDGELINE_CPU_ISA=avx512`: a real build of the kernels
-without the tile unit, not a mock; ~1 min to compile once), elsewhere as the host is.
+"""A bf16 model's prompts in int8 on CPUs without AMX (`--int8-prefill`, on by default
+there): the real SmolLM2 served as such a CPU serves it. On a host with AMX the check
+runs in a process capped to AVX-512 without AMX (`RIDGELINE_CPU_ISA=avx512`: a real build
+of the kernels without the tile unit, not a mock; ~1 min to compile once), elsewhere as
+the host is.
 
 What must hold: the capabilities say prompts take int8 (and never with AMX); a long
 prompt's calls take the int8 kernel, so its prompt logprobs move from the exact run's,
-but little (top-1 agreement and median |d logprob| bounded as `--int8-activations`'
-test bounds them); a prompt under the int8 rows runs exactly as with `--no-int8-prefill`,
-token for token, and so do its decode steps."""
+but little; a prompt under the int8 rows runs exactly as with `--no-int8-prefill`, token
+for token, and so do its decode steps."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from app import LLM, SamplingParams
 text, short = sys.argv[1], sys.argv[2]
 out = {}
 for prefill in (False, True):
-    llm = LLM(int8_prefill=prefill, max_model_len=512)
+    llm = LLM(int8_prefill=prefill, dtype="bfloat16", max_model_len=512)
     try:
         caps = llm.engine.worker.wait_ready().capabilities
         scored = llm.generate([text], SamplingParams(temperature=0, max_tokens=1,
@@ -83,14 +84,21 @@ def test_prompts_take_int8_only_when_on(runs):
     assert runs["False"]["caps"][:2] == [False, False]
 
 
+def perplexity(scores: list) -> float:
+    return math.exp(-sum(logprob for logprob, _ in scores) / len(scores))
+
+
 def test_a_long_prompt_scores_close_to_exact(runs):
+    """Measured on the Xeon capped to AVX-512: 94.6 % top-1 agreement, median |d logprob|
+    0.022, perplexity +3.8 % (a 135M model on repetitive text; docs/cpu.md)."""
     exact, int8 = runs["False"], runs["True"]
     assert exact["prompt_tokens"] >= INT8_PREFILL_MIN_ROWS
     pairs = list(zip(exact["scores"], int8["scores"], strict=True))
     top1 = sum(a[1] == b[1] for a, b in pairs) / len(pairs)
     deltas = sorted(abs(a[0] - b[0]) for a, b in pairs)
-    assert top1 >= 0.85, top1
-    assert deltas[len(deltas) // 2] < 0.15
+    assert top1 >= 0.9, top1
+    assert deltas[len(deltas) // 2] < 0.06
+    assert abs(perplexity(int8["scores"]) / perplexity(exact["scores"]) - 1) < 0.06
     assert sum(deltas) > 0  # the prompt did take the int8 kernel
 
 

@@ -117,17 +117,19 @@ def test_plan_holds_only_what_its_routes_need():
     assert plan_routes(LinearLayer(BF16, "q4_1"), AMX).amx_rows is not None
 
 
-# A prompt's calls without AMX (`int8_prefill`, on by default where the CPU can): int8 x
-# from `INT8_PREFILL_MIN_ROWS` rows, decode's fewer rows as before, blocks held alone.
+# A bf16 model's prompt calls without AMX (`int8_prefill`, on by default where the CPU
+# can): int8 x from `INT8_PREFILL_MIN_ROWS` rows, decode's fewer rows as before, blocks
+# held alone; a float32 model keeps the exact kernels.
 PROMPT_TABLE = [
     (AVX512_BF16, BF16, "q4_1", 3, DOT),
     (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
     (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q8_0", 10**6, I8),
     (AVX512_BF16, BF16, "q8_16", 10**6, B),  # no int8 kernel for Q8_16: exact
-    (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
-    (AVX2, F32, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
-    (AVX2, F32, "q4_1", 4096, I8),  # before the unpacked route
+    (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, B),  # float32: the exact path
+    (AVX2, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),  # widened: a float32 multiply
+    (AVX2, BF16, "q4_1", 4096, I8),  # before the unpacked route
+    (AVX2, F32, "q4_1", 4096, Route.UNPACKED),
     (AVX2, BF16, "q8_0", INT8_PREFILL_MIN_ROWS, I8),
     (AVX512_BF16, BF16, None, 4096, Route.PACKED),  # no blocks, no int8
     (PORTABLE, F32, "q4_1", 4096, Route.PACKED),  # no int8 kernels (nor blocks)

@@ -168,9 +168,10 @@ class PackedLinear(nn.Module):
         self._amx_op = (capabilities.op(f"{quantized.format}_linear_amx")
                         if plan.amx_rows is not None else None)
         # Q4_1's levels regrouped (`dot_pairs`) for the dot kernel and the Q4_1 AMX
-        # kernel, one copy for both: the panels' bytes once more where the float32
-        # kernel also reads the panels. Q8_0's AMX kernel reads the panels. Beside
-        # them a Q4_K's scale codes where the blocks have them, else float32 scales.
+        # kernel, one copy for every kernel of the layer's calls (the exact and int8
+        # ones read it too); the panels' bytes once more only where the unpacked route
+        # can still be reached. Q8_0's AMX kernel reads the panels. Beside them a
+        # Q4_K's scale codes where the blocks have them, else float32 scales.
         pairs = (self.quantized.dot_pairs(capabilities)
                  if quantized is not None and holds_pairs(plan, quantized.format) else None)
         # The ops' block arguments, bound once rather than per call: where the layer

@@ -17,10 +17,11 @@ The routes, in the order a call tries them:
   bf16 x, summed in float32), fewer instructions to widen the weights, and its blocks
   read ahead of use; to three rows it beats `blocks` and `amx`, from four the tile unit
   wins.
-- `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`): on
-  a CPU without AMX (`CpuCapabilities.int8_prefill`), calls of `INT8_PREFILL_MIN_ROWS`
-  rows or more (a prompt's prefill); with `--int8-activations`, every call. Not exact:
-  x is rounded to 8 bits per block of 32, as llama.cpp does for every call.
+- `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`): a
+  bf16 model's calls of `INT8_PREFILL_MIN_ROWS` rows or more (a prompt's prefill) on a
+  CPU without AMX (`CpuCapabilities.int8_prefill`); with `--int8-activations`, every
+  call. Not exact: x is rounded to 8 bits per block of 32, as llama.cpp does for every
+  call. A float32 model stays the exact path, as bf16 makes no such promise anyway.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
   (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
   where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16
@@ -207,7 +208,8 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
     int8 = (INT8_PREFILL_MIN_ROWS if capabilities.int8_prefill and amx_rows is None
-            and capabilities.int8 and capabilities.has(f"{fmt_op}_int8") else 0)
+            and layer.dtype == torch.bfloat16 and capabilities.int8
+            and capabilities.has(f"{fmt_op}_int8") else 0)
     return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,
                      unpacked=unpacked, int8_min_rows=int8)
 

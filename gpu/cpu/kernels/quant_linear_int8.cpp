@@ -1,5 +1,9 @@
-// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0) with x quantized to int8: opt-in
-// (`--int8-activations`), for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones.
+// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0) with x quantized to int8, for AVX512-VNNI
+// CPUs and, through int8_avx2.h, AVX2 ones: a prompt's calls on CPUs without AMX
+// (`--int8-prefill`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
+// float32 or bf16 (widened exactly; the sums then rounded to bf16 once, as the exact
+// kernels do); a Q4_1 layer's levels come as panels or, where the layer holds them so, as
+// the bf16 dot kernel's pairs (int8_pairs.h).
 //
 // Why: from ~8 rows up the exact kernels (quant_linear.cpp) are bound by their fp32
 // FMAs, 16 multiply-adds an instruction. VNNI's vpdpbusd does 64 byte products an
