@@ -12,8 +12,9 @@
 # it made and stops the dockerd it started; the images stay, so a second run builds from
 # cache. Prints how long each part took; exits 0 when every check passed.
 #
-# Needs: dockerd (Debian's docker.io), debootstrap, Docker Compose v2.24+ (`docker compose`,
-# or a v2 `docker-compose`), python3. Environment: RIDGELINE_TEST_IMAGE (ridgeline:cpu),
+# Needs: dockerd (Debian's docker.io), debootstrap, python3, apt; Docker Compose v2.24+
+# (`docker compose`, or a v2 `docker-compose`) where there is one, else Debian's is
+# fetched for the run (`fetch_compose`). Environment: RIDGELINE_TEST_IMAGE (ridgeline:cpu),
 # RIDGELINE_TEST_BASE (ridgeline-base:bookworm), DEBIAN_MIRROR (http://deb.debian.org/debian).
 set -euo pipefail
 
@@ -187,9 +188,26 @@ read_only_model() {
 compose_cmd() {
   if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose)
   elif [[ $(docker-compose version 2>/dev/null) =~ v2\. ]]; then COMPOSE=(docker-compose)
-  else echo "Docker Compose v2 is needed (the plugin, or a v2 docker-compose)" >&2; return 1
+  else fetch_compose; COMPOSE=("$WORK/compose/usr/libexec/docker/cli-plugins/docker-compose")
   fi
   "${COMPOSE[@]}" version
+}
+
+# fetch_compose: Debian's own Compose v2 (trixie's package: bookworm has only v1, which
+# cannot read the compose files' `!reset`), fetched and checked by apt against the
+# archive's signed index, unpacked into $WORK and run standalone. apt reads a sources
+# list and lists of its own here, so the host's sources and packages stay as they were.
+fetch_compose() {
+  local apt="$WORK/apt"
+  mkdir -p "$apt/lists/partial" "$apt/archives/partial"
+  echo "deb $MIRROR trixie main" >"$apt/sources.list"
+  local opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
+              -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache::Archives=$apt/archives"
+              -o APT::Sandbox::User=root)
+  echo "no Docker Compose v2 here: fetching Debian trixie's docker-compose into $WORK"
+  apt-get "${opts[@]}" update -q >/dev/null
+  (cd "$apt" && apt-get "${opts[@]}" download -q docker-compose >/dev/null 2>&1)
+  dpkg-deb -x "$apt"/docker-compose_*.deb "$WORK/compose"
 }
 
 # served SERVICE: the completions one replica finished, read from its /metrics in place.
