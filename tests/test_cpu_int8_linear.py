@@ -143,6 +143,28 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:
     assert_matches(wide, reference(x.float(), levels, scales, mins))
 
 
+@pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS.namespace, "q8_16_linear_int8"),
+                    reason="the Q8_16 int8 kernel is AVX512-VNNI's")
+@pytest.mark.parametrize("m", [1, 13, 64, 300])
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
+def test_int8_q8_16_matches_reference(m, type_name) -> None:
+    """Q8_16 (a Q6_K's or Q3_K's levels, a scale per 16): the integer sums per half block
+    exact, each scaled by its own scale; x's bf16 rounded once as the others'."""
+    from tests.test_gguf_types import random_blocks, rewritten
+
+    n, k = 70, 512
+    q = rewritten(type_name, random_blocks(type_name, n, k, seed=m), n)
+    panels = PanelBlocks.of(q)
+    x = torch.randn(m, k)
+    out = KERNELS.q8_16_linear_int8(x, *panels.tensors, n)
+    assert_matches(out, reference(x, q.dequantize(), torch.ones(n, k // BLOCK)))
+    exact = x @ q.dequantize().T
+    assert 1e-5 < ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    xb = x.bfloat16()
+    assert torch.equal(KERNELS.q8_16_linear_int8(xb, *panels.tensors, n),
+                       KERNELS.q8_16_linear_int8(xb.float(), *panels.tensors, n).bfloat16())
+
+
 @needs_int8
 def test_int8_bad_inputs_are_refused() -> None:
     qw, scales, mins = PanelBlocks.of(QuantizedWeight("q4_1", *random_q4_1(40, 64))).tensors

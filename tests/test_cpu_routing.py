@@ -125,7 +125,10 @@ PROMPT_TABLE = [
     (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
     (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q8_0", 10**6, I8),
-    (AVX512_BF16, BF16, "q8_16", 10**6, B),  # no int8 kernel for Q8_16: exact
+    (AVX512_BF16, BF16, "q8_16", 10**6, I8),
+    # An AVX2 build has no int8 kernel for Q8_16: exact.
+    (dataclasses.replace(AVX2, ops=NO_AMX - {"q8_16_linear_int8"}), BF16, "q8_16", 4096,
+     Route.UNPACKED),
     (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, B),  # float32: the exact path
     (AVX2, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),  # widened: a float32 multiply
     (AVX2, BF16, "q4_1", 4096, I8),  # before the unpacked route

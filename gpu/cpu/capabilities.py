@@ -32,6 +32,7 @@ OPS = (
     "rotary_kv_store_",
     "rms_norm", "add_rms_norm_", "silu_and_mul",
     "q4_1_linear", "q8_0_linear", "q8_16_linear", "q4_1_linear_int8", "q8_0_linear_int8",
+    "q8_16_linear_int8",
     "q4_1_linear_amx", "q4_1_linear_bf16", "q4_1_dot_pairs", "q8_0_linear_amx",
     "q8_16_linear_amx",
     "q4_1_dequantize", "q8_0_dequantize", "q4_1_unpack", "q8_0_unpack", "q8_16_unpack",

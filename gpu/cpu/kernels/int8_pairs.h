@@ -12,8 +12,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
+#include "int8_avx512.h"
 #include "q4_1_scales.h"
 #include "quant_blocks.h"
 
@@ -33,16 +33,12 @@ struct Pairs {
   int64_t K;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
 namespace int8_pairs {
 
-inline __m512i broadcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, 4);
-  return _mm512_set1_epi32(v);
-}
+using int8_avx512::broadcast4;
 
 // T rows of x (levels in `kPairOrder`) against half `half` of a Q4_1 panel p held as the
 // dot kernel's pairs: per chunk one load of 16 outputs' dwords, its low and high nibbles
@@ -50,9 +46,7 @@ inline __m512i broadcast4(const int8_t* q) {
 template <int T, bool kCoded, typename Rows>
 inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
                        int64_t r0, float* out, int64_t os, int64_t cols) {
-  __mmask16 masks[2];
-  column_masks(cols, masks[0], masks[1]);
-  const __mmask16 mask = masks[half];
+  const __mmask16 mask = int8_avx512::half_mask(half, cols);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];

@@ -1,5 +1,6 @@
-// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0) with x quantized to int8, for AVX512-VNNI
-// CPUs and, through int8_avx2.h, AVX2 ones: a prompt's calls on CPUs without AMX
+// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0; Q8_16 on AVX-512: int8_avx512.h) with x
+// quantized to int8, for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones: a bf16
+// model's prompt calls on CPUs without AMX
 // (`--int8-prefill`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
 // float32 or bf16 (widened exactly; the sums then rounded to bf16 once, as the exact
 // kernels do); a Q4_1 layer's levels come as panels or, where the layer holds them so, as
@@ -41,7 +42,9 @@
 #include <memory>
 #include <vector>
 
+#include "int8_avx512.h"
 #include "int8_pairs.h"
+#include "q8_16_blocks.h"
 #include "quant_blocks.h"
 #include "round_bf16.h"
 
@@ -70,8 +73,9 @@ struct Int8Rows {
 // Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
 // and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
-// `kPairOrder` for the pairs.
-Int8Rows quantize_rows(const at::Tensor& x, bool pair_order) {
+// `kPairOrder` for the pairs; `offset`: stored as q + 128 (unsigned bits), for a tile that
+// puts x on vpdpbusd's unsigned side.
+Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset = false) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* src = bf16 ? nullptr : x.const_data_ptr<float>();
@@ -113,44 +117,19 @@ Int8Rows quantize_rows(const at::Tensor& x, bool pair_order) {
         std::memcpy(k_order, q, kBlock);
         for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
       }
+      if (offset)
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
     }
   });
   return r;
 }
 
 #ifdef RIDGELINE_INT8_AVX512
+using namespace int8_avx512;
 constexpr int kInt8Tile = static_cast<int>(kTile);
 
 // Whether half h (outputs 16h..16h+15) of a panel with `cols` outputs holds any.
 inline bool half_used(int half, int64_t cols) { return cols > 16 * half; }
-
-// Lanes of half h that exist when the panel has `cols` outputs.
-inline __mmask16 half_mask(int half, int64_t cols) {
-  __mmask16 masks[2];
-  column_masks(cols, masks[0], masks[1]);
-  return masks[half];
-}
-
-// vpermt2b indices: output lane n (of the half's 16), byte i <- row 4g + i of the
-// 128 bytes loaded from rows 4g..4g+3 (32 outputs each), output 16 * half + n.
-inline __m512i gather_index(int half) {
-  alignas(64) uint8_t idx[64];
-  for (int n = 0; n < 16; ++n)
-    for (int i = 0; i < 4; ++i) idx[n * 4 + i] = static_cast<uint8_t>(i * 32 + 16 * half + n);
-  return _mm512_load_si512(idx);
-}
-
-// The 4 k bytes (rows 4g..4g+3 of a block's [j][32] bytes) of the half's 16 outputs.
-inline __m512i gather_group(const uint8_t* rows, __m512i index) {
-  return _mm512_permutex2var_epi8(_mm512_loadu_si512(rows), index,
-                                  _mm512_loadu_si512(rows + 2 * kPanel));
-}
-
-inline __m512i broadcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, 4);
-  return _mm512_set1_epi32(v);
-}
 
 // T rows of x (levels from row r0) against half `half` of Q4_1 panel p.
 template <int T>
@@ -238,8 +217,14 @@ using avx2::tile_q8_0;
 // megabytes in all) would come from L3 once per panel half.
 constexpr int64_t kRowChunk = 256;
 
-template <typename W, typename Tile>
-void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& tile) {
+// Called at each panel before its tiles (Q8_16 unpacks it there); by default nothing.
+struct NoPanel {
+  void operator()(int64_t) const {}
+};
+
+template <typename W, typename Tile, typename Panel = NoPanel>
+void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& tile,
+                 Panel&& panel = {}) {
   const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
@@ -249,6 +234,7 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
+        panel(p);
         for (int half = 0; half < 2 && half_used(half, cols); ++half)
           for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
             with_rows<kInt8Tile>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
@@ -349,6 +335,34 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   });
 }
 
+// Q8_16's levels, codes and supers as q8_16_blocks.h lays them out: AVX512-VNNI only.
+at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
+                             const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
+  const char* op = "q8_16_linear_int8";
+  const Q8_16 w = Q8_16::of(levels, codes, supers, op);
+  check_int8(x, levels, 24, op);
+  TORCH_CHECK(N > (levels.size(0) - 1) * kPanel && N <= levels.size(0) * kPanel, op,
+              ": N within the panels");
+  return in_float32(x, N, [&](float* out) {
+#ifdef RIDGELINE_INT8_AVX512
+    // Each thread's panel, unpacked (64-byte aligned: `Q8_16::unpack` stores so).
+    static thread_local std::vector<__m512i> panel;
+    int8_linear(
+        w, quantize_rows(x, false, true), N, out,
+        [](auto T, const Q8_16& w, int64_t p, auto&&... a) {
+          tile_q8_16<decltype(T)::value>(w, reinterpret_cast<const int8_t*>(panel.data()), p,
+                                         a...);
+        },
+        [&](int64_t p) {
+          panel.resize(w.K / kBlock * kBlock * kPanel / 64);
+          auto* q = reinterpret_cast<int8_t*>(panel.data());
+          for (int64_t b = 0; b < w.K / kBlock; ++b)
+            Q8_16::unpack(w.qs + w.global(p, b) * Q8_16::kPackedBytes, q + b * kBlock * kPanel);
+        });
+#endif
+  });
+}
+
 bool int8_linear_supported() {
 #ifdef RIDGELINE_INT8
   return true;
@@ -366,4 +380,8 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_int8));
   m.impl("q8_0_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_int8));
+#ifdef RIDGELINE_INT8_AVX512  // callers look it up by name
+  m.def("q8_16_linear_int8(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
+  m.impl("q8_16_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_int8));
+#endif
 }
