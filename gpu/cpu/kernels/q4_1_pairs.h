@@ -62,17 +62,11 @@ struct Q4_1Pairs {
   static inline void widen(const Block& bl, int j, __m512& lo0, __m512& lo1, __m512& hi0,
                            __m512& hi1) {
     levels(bl, j, lo0, lo1, hi0, hi1);
-    lo0 = _mm512_fmadd_ps(lo0, bl.d0, bl.m0);
-    lo1 = _mm512_fmadd_ps(lo1, bl.d1, bl.m1);
-    hi0 = _mm512_fmadd_ps(hi0, bl.d0, bl.m0);
-    hi1 = _mm512_fmadd_ps(hi1, bl.d1, bl.m1);
+    Q4_1::scale(bl, lo0, lo1, hi0, hi1);
   }
-  // acc += d * (the block's sum of q * x) + m * (the block's sum of x).
   static inline void add_block(const Block& bl, __m512 qx0, __m512 qx1, float x_sum,
                                __m512& acc0, __m512& acc1) {
-    const __m512 xs = _mm512_set1_ps(x_sum);
-    acc0 = _mm512_fmadd_ps(bl.m0, xs, _mm512_fmadd_ps(bl.d0, qx0, acc0));
-    acc1 = _mm512_fmadd_ps(bl.m1, xs, _mm512_fmadd_ps(bl.d1, qx1, acc1));
+    Q4_1::add_block(bl, qx0, qx1, x_sum, acc0, acc1);
   }
 };
 
