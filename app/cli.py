@@ -23,7 +23,7 @@ def add_settings(p: argparse.ArgumentParser, *classes: type, title: str) -> None
         kind = str(f.type).replace(" | None", "")
         shown = "" if default is None else f" (default: {default})"
         if kind == "bool":
-            action = "store_true" if not default else argparse.BooleanOptionalAction
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
             g.add_argument(*flags, dest=f.name, action=action, default=default,
                            help=meta["help"])
             continue

@@ -194,11 +194,11 @@ class EngineConfig:
         True, "on CPU, matmuls of a few rows (decode) read a GGUF's Q4_1/Q8_0 blocks "
         "through a C++ kernel, multiplying in float32: in float32 the same weights in a "
         "sixth of the bytes; in bfloat16, few-row calls (on AMX, up to 64 rows) in a third")
-    int8_activations: bool = setting(
-        False, "on CPU, GGUF models in float32: quantize each matmul's input to int8 per "
-        "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2); the "
-        "matmuls take ~0.55-0.7x the time from 16 rows up, but tokens can differ from an "
-        "exact run's")
+    int8_activations: bool | None = setting(
+        None, "on CPU, GGUF models in float32: quantize each matmul's input to int8 per "
+        "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2): ~0.6x "
+        "the matmuls' time, but tokens can differ from an exact run's. Unset: on where "
+        "--dtype auto serves float32 (a CPU without bf16 arithmetic, AVX2)")
     int8_prefill: bool = setting(
         True, "on CPUs without AMX, a bf16 model's GGUF layers quantize x to int8 per block "
         "of 32 in calls of 64 rows or more (prompts), as llama.cpp does in every call, and "

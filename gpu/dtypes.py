@@ -24,7 +24,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return choose_dtype(name, device)[0]
 
 
-def choose_dtype(name: str, device: torch.device, *, int8_activations: bool = False
+def choose_dtype(name: str, device: torch.device, *, int8_activations: bool | None = False
                  ) -> tuple[torch.dtype, str]:
     """The dtype weights and KV are served in, and why (for the start-up log). The
     engine decides once and hands the model thread the result."""
@@ -49,7 +49,24 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
     if onednn()[1]:
         return torch.bfloat16, ("auto: bfloat16 on a CPU with bf16 arithmetic (faster under "
                                 "load; --dtype float32 for float32's exact tokens)")
-    return torch.float32, "auto: float32 on a CPU without bf16 arithmetic"
+    return torch.float32, ("auto: float32 on a CPU without bf16 arithmetic, a GGUF's layers "
+                           "with int8 activations (--no-int8-activations: exact)")
+
+
+def int8_activations_asked(asked: bool | None, name: str, dtype: torch.dtype,
+                           device: torch.device) -> bool | None:
+    """`--int8-activations` as the model thread takes it: as asked where it was; unset,
+    None ("where the model's layers can": a GGUF's blocks and int8 kernels) where `--dtype
+    auto` serves float32 on a CPU, else off. Why: a CPU without bf16 arithmetic (AVX2)
+    has no half-width multiply to trade float32's exactness for, as bf16 is elsewhere;
+    int8 x against the file's blocks is its trade, llama.cpp's in every call (x rounded
+    per block of 32, finer than llama.cpp's K-quant path), at ~0.6x the exact kernels'
+    time from a few rows up and less memory traffic at one (docs/cpu.md). `--dtype
+    float32` asks for the exact path, so it stays exact."""
+    if asked is not None:
+        return asked
+    return None if name == "auto" and device.type == "cpu" and dtype == torch.float32 \
+        else False
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -69,7 +69,7 @@ class RunnerSpec:
     max_num_batched_tokens: int
     torch_threads: int | None  # None: torch's default
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
-    int8_activations: bool = False  # those blocks for every call, x quantized to int8
+    int8_activations: bool | None = False  # every call int8 x; None: where it can (dtypes.py)
     int8_prefill: bool = False  # prompts' calls so, on CPUs without AMX (`gpu/cpu/routing.py`)
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
@@ -195,6 +195,7 @@ class ModelRunner:
             check_host_memory(spec.model_dir, weights_bytes, spec.kv_cache_memory)
         self.model = model.eval()
         matmul_dtype = self.dtype  # what the linears multiply in (peaks, roofline)
+        int8 = False  # int8 activations in every call (`--int8-activations`)
         if self.capabilities is not None:
             from gpu.cpu import linear as cpu_linear
             from gpu.cpu import packing
@@ -208,23 +209,23 @@ class ModelRunner:
             blocks = gguf if spec.cpu_quantized_matmul and matmul_dtype in (
                 torch.float32, torch.bfloat16) else {}
             kernels = self.capabilities
-            if spec.int8_activations and (why := packing.int8_unavailable(
-                    self.dtype, blocks, kernels)):
+            why = packing.int8_unavailable(self.dtype, blocks, kernels)
+            if spec.int8_activations and why:
                 raise ValueError(f"--int8-activations cannot run: {why}")
+            int8 = spec.int8_activations is not False and why is None  # None: where it can
             # The parameters the layers will not read (served from their blocks alone, or
             # widened from the checkpoint's float32): never filled, never dequantized.
-            skip = packing.params_not_needed(model, blocks, kernels, spec.int8_activations)
+            skip = packing.params_not_needed(model, blocks, kernels, int8)
             # By name, for `pack_linears`: views of the mapped files, no copies.
             checkpoint = dict(weights if weights is not None else iter_safetensors(
                 spec.model_dir, placeholders=model.checkpoint_names(skip), blocks=gguf))
             model.load_weights(checkpoint.items(), skip=skip)
             # Logs what its packed copies and the blocks add in host memory (negative where
             # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
-            packing.pack_linears(self.model, blocks, kernels, spec.int8_activations, checkpoint)
+            packing.pack_linears(self.model, blocks, kernels, int8, checkpoint)
             block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
-            raise ValueError("--int8-activations is for CPU: this model runs on "
-                             f"{self.device}")
+            raise ValueError(f"--int8-activations is for CPU: this model runs on {self.device}")
         else:
             checkpoint = weights if weights is not None else iter_safetensors(spec.model_dir)
             model.load_weights(checkpoint)
@@ -235,8 +236,7 @@ class ModelRunner:
         # Before the profile and the pool: on CUDA the measurement's buffers must fit.
         self.peaks: DevicePeaks = measure_peaks(
             self.device, matmul_dtype, weights_bytes,
-            int8_kernels=self.capabilities.kernels if spec.int8_activations
-            and self.capabilities is not None else None)
+            int8_kernels=self.capabilities.kernels if int8 else None)
         self.draft = DraftModel(spec.draft_model_dir, self.dtype, self.device,
                                 spec.max_model_len) if spec.draft_model_dir else None
         self.profile = self._profile()  # runs the draft model's largest call too

@@ -108,7 +108,8 @@ def test_int8_edge_blocks() -> None:
         assert_matches(run("q8_0", xs, q8), reference(x, q8[0], q8[1]))
 
 
-@needs_int8
+@pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS.namespace, "q8_16_linear_int8"),
+                    reason="the Q8_16 int8 kernel is AVX512-VNNI's")
 @pytest.mark.parametrize("m", [1, 13, 64, 300])
 def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
     """A bf16 model's prompt calls (`int8_prefill`): bf16 x, widened exactly, and the
@@ -121,8 +122,7 @@ def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
         assert torch.equal(out, run(fmt, x.float(), tensors).bfloat16())
 
 
-@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_linear_supported()
-                    or int(KERNELS.vector_width()) != 16, reason="the pairs are AVX-512's")
+@needs_int8
 @pytest.mark.parametrize("m", [1, 5, 64, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:

@@ -39,7 +39,7 @@ from app.engine.spec.draft_model import DraftModelProposer, draft_model_dir
 from app.engine.spec.speculator import Speculator
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, StepResult
-from gpu.dtypes import choose_dtype, resolve_device
+from gpu.dtypes import choose_dtype, int8_activations_asked, resolve_device
 from gpu.roofline import StepCost
 from gpu.runner import RunnerSpec
 from gpu.worker import StepFailed, Worker
@@ -72,8 +72,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         device = resolve_device(config.device)
         spec = config.speculative_config
-        dtype, dtype_why = choose_dtype(config.dtype, device,
-                                        int8_activations=config.flat()["int8_activations"])
+        int8 = config.flat()["int8_activations"]
+        dtype, dtype_why = choose_dtype(config.dtype, device, int8_activations=int8)
         dtype_name = str(dtype).removeprefix("torch.")
         self.model_dir = resolve_model(config.model, dtype_name)  # a GGUF is cached in it
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -91,7 +91,9 @@ class EngineCore:
         self.eos_token_ids = self._eos_ids()
         draft_dir = draft_model_dir(config.speculative_config, self.model_config.vocab_size,
                                     dtype_name)
+        int8 = int8_activations_asked(int8, config.dtype, dtype, device)
         self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
+                                                    int8_activations=int8,
                                                     model_dir=str(self.model_dir),
                                                     draft_model_dir=draft_dir,
                                                     fit_max_model_len=config.max_model_len is None,

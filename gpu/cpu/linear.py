@@ -89,20 +89,26 @@ def _plan(dtype: torch.dtype, blocks: str | None, capabilities: CpuCapabilities,
 
 def holds_pairs(plan: RoutePlan, fmt: str) -> bool:
     """Whether a layer with `plan` over `fmt` blocks holds Q4_1's levels regrouped as
-    `dot_pairs`: for the bf16 dot kernel or the Q4_1 AMX kernel. Its blocks' calls then
-    read them too (`q4_1_linear` takes either layout, q4_1_pairs.h)."""
-    return fmt == "q4_1" and (plan.dot_max_rows > 0 or plan.amx_rows is not None)
+    `dot_pairs`: for the bf16 dot kernel or the Q4_1 AMX kernel, or where the int8 kernel
+    takes every call (`--int8-activations`; it reads them on AVX512-VNNI and AVX2 alike,
+    int8_pairs.h). Its other blocks' calls then read them too (`q4_1_linear` takes either
+    layout, q4_1_pairs.h)."""
+    every_call_int8 = plan.blocks_route == Route.BLOCKS_INT8 \
+        and plan.blocks_max_rows == sys.maxsize
+    return fmt == "q4_1" and (plan.dot_max_rows > 0 or plan.amx_rows is not None
+                              or every_call_int8)
 
 
 def reads_panel_levels(plan: RoutePlan, fmt: str) -> bool:
     """Whether some call of a layer with `plan` over `fmt` blocks reads the panels' levels:
-    not where the pairs serve every call but the unpacked route's, and no call of the
-    blocks held alone gets that far (bf16 with AVX512-BF16 or AMX)."""
+    not where the pairs serve every call (int8 for every call; bf16 with AVX512-BF16 or
+    AMX where the blocks are held alone and no call gets to the unpacked route)."""
     if not holds_pairs(plan, fmt):
         return True
     covered = plan.blocks_max_rows == sys.maxsize or (
         plan.amx_rows is not None and plan.amx_rows.stop == sys.maxsize)
-    return not (plan.unpacked and covered)
+    alone = plan.unpacked or plan.blocks_route == Route.BLOCKS_INT8
+    return not (alone and covered)
 
 
 class PackedLinear(nn.Module):

@@ -26,6 +26,7 @@ from gpu.cpu.linear import (
     PackedLinear,
     _packing_available,
     _plan,
+    holds_pairs,
     multiply_dtype,
     quantized_max_rows,
     reads_panel_levels,
@@ -107,7 +108,7 @@ def _read_panels(weight: torch.Tensor, quantized: GGUFBlocks, names: list[str],
             or not (plan.blocks or plan.amx_rows is not None):
         return None
     return PanelBlocks.read(quantized, names, kernels, levels=reads_panel_levels(plan, fmt),
-                            dot=plan.dot_max_rows > 0 or plan.amx_rows is not None)
+                            dot=holds_pairs(plan, fmt))
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:

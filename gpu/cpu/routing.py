@@ -19,9 +19,10 @@ The routes, in the order a call tries them:
   wins.
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`): a
   bf16 model's calls of `INT8_PREFILL_MIN_ROWS` rows or more (a prompt's prefill) on a
-  CPU without AMX (`CpuCapabilities.int8_prefill`); with `--int8-activations`, every
-  call. Not exact: x is rounded to 8 bits per block of 32, as llama.cpp does for every
-  call. A float32 model stays the exact path, as bf16 makes no such promise anyway.
+  CPU without AMX (`CpuCapabilities.int8_prefill`); with `--int8-activations` (by
+  default where `--dtype auto` serves float32: AVX2), every call. Not exact: x is
+  rounded to 8 bits per block of 32, as llama.cpp does for every call. `--dtype
+  float32` stays the exact path, as bf16 makes no such promise anyway.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
   (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
   where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16

@@ -69,6 +69,12 @@ inline void transpose4(const uint8_t* rows, int half, __m256i& first, __m256i& s
   second = _mm256_permute2x128_si256(v0, v1, 0x31);
 }
 
+// Pins a tile's integer sums to registers where it is called. The sums are exact, so GCC
+// is free to regroup their adds, and does: every product of a block first, spilled to
+// the stack, summed after. Called after each row's adds, the sums stay in registers.
+inline void in_registers(__m256i& a) { asm("" : "+x"(a)); }
+inline void in_registers(__m256i& a, __m256i& b) { asm("" : "+x"(a), "+x"(b)); }
+
 inline __m256i broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
@@ -118,6 +124,7 @@ inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Rows& x, int64_t
                                                                  _mm256_maddubs_epi16(hi0, xh)));
         dot[t][1] = _mm256_add_epi16(dot[t][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
                                                                  _mm256_maddubs_epi16(hi1, xh)));
+        in_registers(dot[t][0], dot[t][1]);
       }
     }
     const float* xd = x.d.data() + b * x.M + r0;
@@ -165,6 +172,7 @@ inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Rows& x, int64_t
             _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)), ones));
         dot[t][1] = _mm256_add_epi32(dot[t][1], _mm256_madd_epi16(
             _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)), ones));
+        in_registers(dot[t][0], dot[t][1]);
       }
     }
     const float* xd = x.d.data() + b * x.M + r0;

@@ -1,14 +1,19 @@
 // x quantized to int8 against a Q4_1 layer held as the bf16 dot kernel's pairs
 // (q4_1_pairs.h, `PanelBlocks.dot_pairs`) with float32 scales or a Q4_K's codes
-// (q4_1_scales.h), on AVX512-VNNI: quant_linear_int8.cpp's algorithm (it has the
-// entry point, x's quantization and the rows' tiling) on the layout a bf16 Q4_K layer
-// holds where the dot kernel is, so that its prefill's calls need no panels.
+// (q4_1_scales.h), on AVX512-VNNI and AVX2: quant_linear_int8.cpp's algorithm (it has
+// the entry point, x's quantization and the rows' tiling) on the layout a bf16 Q4_K
+// layer holds where the dot kernel is, so that its prefill's calls need no panels, and
+// a layer whose every call is int8 holds (a Q4_K's levels and codes: 0.59 byte a weight
+// where the panels with float32 scales take 0.75).
 //
 // Per block, chunk c of the pairs is a dword per output; its bytes masked to their low
 // nibbles hold 4 of the output's levels, to their high nibbles 4 more, each an unsigned
 // vpdpbusd operand as it stands. x's levels are quantized in the matching order
 // (`kPairOrder`), so each row's 4 bytes are one broadcast dword: one load, a shift and
-// two masks per 16 outputs and 8 k, where the panels take a two-register byte gather.
+// two masks per 16 outputs and 8 k, where the panels take a two-register byte gather
+// (AVX2: a 4 x 4 byte transpose, int8_avx2.h). AVX2 multiplies the bytes with
+// vpmaddubsw into int16 pairs, as its panel tiles do: a block's 8 products per lane of
+// levels <= 15 against |q_x| <= 127 stay under 30,480, widened once per block.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +21,10 @@
 #include "int8_avx512.h"
 #include "q4_1_scales.h"
 #include "quant_blocks.h"
+#if !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) && \
+    defined(__AVX2__) && defined(__FMA__)
+#include "int8_avx2.h"  // the AVX2 tile below
+#endif
 
 namespace quant {
 
@@ -77,6 +86,68 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
   }
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
+}  // namespace int8_pairs
+#elif defined(__AVX2__) && defined(__FMA__)
+namespace int8_pairs {
+
+// As the AVX-512 tile, in vectors of 8 outputs. Up to two rows (decode) take the whole
+// panel in one pass (4 vectors; the call for half 1 does nothing), so that each block's
+// 512 bytes are read once, in order: per half, a pass reads every other 64 bytes, and a
+// decode step that streams its weights from memory reads them markedly slower so. More
+// rows take half a panel (2 vectors) per pass, for the registers.
+template <int T, bool kCoded, typename Rows>
+inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
+                       int64_t r0, float* out, int64_t os, int64_t cols) {
+  constexpr int V = T <= 2 ? 4 : 2;
+  constexpr int64_t kReadAhead = 4;
+  if (V == 4 && half) return;
+  const int64_t n_first = V == 4 ? 0 : 16 * half;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t blocks = w.K / kBlock;
+  __m256 acc[T][V];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + n_first;
+    if (V == 4) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + kReadAhead);
+    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d.data() + b * x.M + r0;
+    const float* xsum = x.sum.data() + b * x.M + r0;
+    __m256i dot[T][V];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < V; ++v) dot[t][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {  // chunk i / 2, its low nibbles (i even) or high ones
+      __m256i xv[T];
+      for (int t = 0; t < T; ++t) xv[t] = avx2::broadcast4(xq + t * kBlock + 4 * i);
+      for (int v = 0; v < V; ++v) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i / 2 * kPanel) + v);
+        if (i % 2) wv = _mm256_srli_epi16(wv, 4);
+        wv = _mm256_and_si256(wv, nibble);
+        for (int t = 0; t < T; ++t) {
+          dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(wv, xv[t]));
+          avx2::in_registers(dot[t][v]);
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      __m256 d, m;
+      w.sc.load8<kCoded>(p, b, n_first + 8 * v, d, m);
+      for (int t = 0; t < T; ++t) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[t][v], ones));
+        const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(xd[t]));
+        acc[t][v] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[t]),
+                                    _mm256_fmadd_ps(scaled, d, acc[t][v]));
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v)
+    for (int t = 0; t < T; ++t) {
+      const int64_t n0 = n_first + 8 * v;
+      avx2::store8(out + t * os + n0, cols - n0, acc[t][v]);
+    }
+}
+
 }  // namespace int8_pairs
 #endif
 

@@ -20,7 +20,9 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#include "prefetch.h"
+
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -63,6 +65,25 @@ struct Q4_1Scales {
     return s;
   }
 
+  // Asks L2 for block `block` (panel-major over every panel) of a layer held as pairs
+  // `qp` with these scales: its levels (8 lines), scales and mins (2 lines each; coded, a
+  // line of codes and a quarter of its super-block's four). At one row a block's loads
+  // wait on memory unless asked for early. Past the call's last block these are
+  // addresses of other memory or none: a prefetch never faults (prefetch.h).
+  template <bool kCoded>
+  inline void read_ahead(const uint32_t* qp, int64_t block) const {
+    for (int64_t i = 0; i < 8; ++i) prefetch::t1(qp, block * 32 * 4 * 4 + 64 * i);
+    if (kCoded) {
+      prefetch::t1(codes, block * 64);
+      prefetch::t1(supers, block / 8 * 256 + block % 4 * 64);
+      return;
+    }
+    for (int64_t i = 0; i < 2; ++i) {
+      prefetch::t1(d, block * 32 * 4 + 64 * i);
+      prefetch::t1(m, block * 32 * 4 + 64 * i);
+    }
+  }
+
 #if defined(__AVX512F__)
   // Outputs 16h .. 16h + 15 of block b of panel p: their scales and mins. kCoded: which
   // layout (a compile-time choice: the kernels' loops are written once for each).
@@ -82,6 +103,26 @@ struct Q4_1Scales {
     };
     dv = _mm512_mul_ps(_mm512_loadu_ps(s), widen(c));
     mv = _mm512_mul_ps(_mm512_loadu_ps(s + 32), widen(c + 32));
+  }
+#endif
+#if defined(__AVX2__)
+  // Outputs n0 .. n0 + 7 of block b of panel p, as `load` gives sixteen.
+  template <bool kCoded>
+  inline void load8(int64_t p, int64_t b, int64_t n0, __m256& dv, __m256& mv) const {
+    if (!kCoded) {
+      const int64_t at = (p * blocks + b) * 32 + n0;
+      dv = _mm256_loadu_ps(d + at);
+      mv = _mm256_loadu_ps(m + at);
+      return;
+    }
+    const uint8_t* c = codes + (p * blocks + b) * 64 + n0;
+    const float* s = supers + (p * (blocks / 8) + b / 8) * 64 + n0;
+    const auto widen = [](const uint8_t* q) {
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    };
+    dv = _mm256_mul_ps(_mm256_loadu_ps(s), widen(c));
+    mv = _mm256_mul_ps(_mm256_loadu_ps(s + 32), widen(c + 32));
   }
 #endif
 };

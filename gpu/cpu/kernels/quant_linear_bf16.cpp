@@ -102,31 +102,6 @@ inline void block_products(const uint32_t* q, const uint32_t* xr, int64_t xs, __
   }
 }
 
-// Asks L2 for block `block` of the call (panel-major over every panel): its levels (8
-// lines), scales and mins (2 lines each; coded, a line of codes and a quarter of its
-// super-block's four). Past the call's last block these are addresses
-// of other memory or none: a prefetch never faults, and the addresses are formed as
-// integers, so no pointer leaves its tensor. prefetcht1 is written as asm: GCC 12's
-// dead-code elimination drops `_mm_prefetch` from this loop when its address is guarded,
-// and may where it is not.
-template <bool kCoded>
-inline void read_ahead(const uint32_t* qp, const Q4_1Scales& sc, int64_t block) {
-  const auto line = [](const void* base, int64_t offset) {
-    const auto* at = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset);
-    asm volatile("prefetcht1 %0" : : "m"(*at));
-  };
-  for (int64_t i = 0; i < 8; ++i) line(qp, block * kPanel * 4 * 4 + 64 * i);
-  if (kCoded) {
-    line(sc.codes, block * 64);
-    line(sc.supers, block / 8 * 256 + block % 4 * 64);
-    return;
-  }
-  for (int64_t i = 0; i < 2; ++i) {
-    line(sc.d, block * kPanel * 4 + 64 * i);
-    line(sc.m, block * kPanel * 4 + 64 * i);
-  }
-}
-
 // T rows of x against panel p: qp the dot pairs, sc the scales and mins, xp [T][K/2]
 // packed x pairs, x_sums [T][K/32]; out: T rows of the panel's outputs (row stride os),
 // `cols` of them real. acc += d * sum(q x) + m * sum(x), block by block in order.
@@ -152,13 +127,13 @@ inline void panel(const uint32_t* qp, const Q4_1Scales sc, int64_t K, int64_t p,
   const int64_t ahead = p * blocks + kPrefetchBlocks;
   int64_t b = 0;
   for (; b + kPairedBlocks <= blocks; b += kPairedBlocks) {
-    for (int nb = 0; nb < kPairedBlocks; ++nb) read_ahead<kCoded>(qp, sc, ahead + b + nb);
+    for (int nb = 0; nb < kPairedBlocks; ++nb) sc.read_ahead<kCoded>(qp, ahead + b + nb);
     __m512 qx[kPairedBlocks][T][2];
     block_products<T, kPairedBlocks>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     for (int nb = 0; nb < kPairedBlocks; ++nb) add(b + nb, qx[nb]);
   }
   for (; b < blocks; ++b) {
-    read_ahead<kCoded>(qp, sc, ahead + b);
+    sc.read_ahead<kCoded>(qp, ahead + b);
     __m512 qx[1][T][2];
     block_products<T, 1>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     add(b, qx[0]);

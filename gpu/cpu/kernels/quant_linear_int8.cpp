@@ -279,7 +279,7 @@ at::Tensor in_float32(const at::Tensor& x, int64_t N, Fn&& linear) {
 }
 
 // qweight: the panels' levels (uint8 [P, K/32, 16, 32]) with float32 scales and mins, or
-// on AVX-512 the dot kernel's pairs (int32 [P, K/32, 4, 32]) with float32 scales and
+// the dot kernel's pairs (int32 [P, K/32, 4, 32]) with float32 scales and
 // mins or a Q4_K's codes and supers.
 at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N) {
@@ -291,7 +291,7 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
               op, ": uint8 panels or int32 pairs, N within them");
   if (pairs) {
     const Q4_1Scales sc = Q4_1Scales::of(scales, mins, qweight.size(0), x.size(1), op);
-#ifdef RIDGELINE_INT8_AVX512
+#ifdef RIDGELINE_INT8
     const Pairs w{reinterpret_cast<const uint32_t*>(qweight.const_data_ptr<int32_t>()), sc,
                   x.size(1)};
     return in_float32(x, N, [&](float* out) {
@@ -305,7 +305,7 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
                     [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
     });
 #else
-    TORCH_CHECK(false, op, ": levels as dot pairs are read with AVX512-VNNI only");
+    TORCH_CHECK(false, op, ": this build has no int8 kernels");
 #endif
   }
   TORCH_CHECK(scales.sizes() == mins.sizes() && scales.is_contiguous() && mins.is_contiguous(),
