@@ -49,8 +49,8 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
     if onednn()[1]:
         return torch.bfloat16, ("auto: bfloat16 on a CPU with bf16 arithmetic (faster under "
                                 "load; --dtype float32 for float32's exact tokens)")
-    return torch.float32, ("auto: float32 on a CPU without bf16 arithmetic, a GGUF's layers "
-                           "with int8 activations (--no-int8-activations: exact)")
+    return torch.float32, ("auto: float32 on a CPU without bf16 arithmetic (a GGUF's layers "
+                           "with int8 activations unless --no-int8-activations)")
 
 
 def int8_activations_asked(asked: bool | None, name: str, dtype: torch.dtype,

@@ -108,9 +108,8 @@ def test_int8_edge_blocks() -> None:
         assert_matches(run("q8_0", xs, q8), reference(x, q8[0], q8[1]))
 
 
-@pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS.namespace, "q8_16_linear_int8"),
-                    reason="the Q8_16 int8 kernel is AVX512-VNNI's")
-@pytest.mark.parametrize("m", [1, 13, 64, 300])
+@needs_int8
+@pytest.mark.parametrize("m", [1, 2, 13, 64, 300])
 def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
     """A bf16 model's prompt calls (`int8_prefill`): bf16 x, widened exactly, and the
     float32 sums rounded to bf16 once, as the exact kernels do."""
@@ -143,9 +142,8 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:
     assert_matches(wide, reference(x.float(), levels, scales, mins))
 
 
-@pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS.namespace, "q8_16_linear_int8"),
-                    reason="the Q8_16 int8 kernel is AVX512-VNNI's")
-@pytest.mark.parametrize("m", [1, 13, 64, 300])
+@needs_int8
+@pytest.mark.parametrize("m", [1, 2, 13, 64, 300])
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
 def test_int8_q8_16_matches_reference(m, type_name) -> None:
     """Q8_16 (a Q6_K's or Q3_K's levels, a scale per 16): the integer sums per half block

@@ -63,6 +63,11 @@ TABLE = [
     (AVX512_BF16, F32, "q4_1", True, 1, I8),
     (AVX512_BF16, F32, "q8_0", True, 4096, I8),
     (AVX2, F32, "q4_1", True, 128, I8),
+    (AVX512_BF16, F32, "q8_16", True, 64, I8),
+    # ... but AVX2's Q8_16 int8 kernel gains at a decode call's rows only: exact above.
+    (AVX2, F32, "q8_16", True, 2, I8),
+    (AVX2, F32, "q8_16", True, 3, B),
+    (AVX2, F32, "q8_16", True, 33, PACKED),
     (PORTABLE, F32, "q4_1", True, 1, PLAIN),  # no blocks there, so no int8 either
     (AVX512_BF16, F32, None, True, 64, PACKED),
     # bf16 with bf16 arithmetic: the widened blocks for the fewest rows, then oneDNN's bf16.
@@ -126,9 +131,8 @@ PROMPT_TABLE = [
     (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q8_0", 10**6, I8),
     (AVX512_BF16, BF16, "q8_16", 10**6, I8),
-    # An AVX2 build has no int8 kernel for Q8_16: exact.
-    (dataclasses.replace(AVX2, ops=NO_AMX - {"q8_16_linear_int8"}), BF16, "q8_16", 4096,
-     Route.UNPACKED),
+    # AVX2's int8 kernel for Q8_16 is for a decode call's rows only: a prompt's is exact.
+    (AVX2, BF16, "q8_16", 4096, Route.UNPACKED),
     (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, B),  # float32: the exact path
     (AVX2, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),  # widened: a float32 multiply
     (AVX2, BF16, "q4_1", 4096, I8),  # before the unpacked route

@@ -162,10 +162,12 @@ class PackedLinear(nn.Module):
         self._quantized_op = (capabilities.op(f"{quantized.format}_linear{suffix}")
                               if plan.blocks else None)
         self.quantized_max_rows = plan.blocks_max_rows
-        # Calls of a prompt's rows on a CPU without AMX: the int8 kernel, same arguments.
+        # Calls of a prompt's rows on a CPU without AMX, or of the fewest rows where only
+        # those gain (`INT8_ONLY_MAX_ROWS`): the int8 kernel, same arguments.
         self._int8_min_rows = plan.int8_min_rows or sys.maxsize
+        self._int8_max_rows = plan.int8_max_rows
         self._int8_op = (capabilities.op(f"{quantized.format}_linear_int8")
-                         if plan.int8_min_rows else None)
+                         if plan.int8_min_rows or plan.int8_max_rows else None)
         # bf16 calls of the fewest rows: the AVX512-BF16 dot-product kernel, same blocks.
         self._dot_max_rows = plan.dot_max_rows
         self._dot_op = (capabilities.op(f"{quantized.format}_linear_bf16")
@@ -247,7 +249,7 @@ class PackedLinear(nn.Module):
         # bf16 x too: the kernels widen it, multiply in float32 and round the sums once.
         if x.shape[0] <= self._dot_max_rows:
             return self._dot_op(x, *self._dot_args)
-        if x.shape[0] >= self._int8_min_rows:
+        if x.shape[0] <= self._int8_max_rows or x.shape[0] >= self._int8_min_rows:
             return self._int8_op(x, *self._quantized_args)
         return self._quantized_op(x, *self._quantized_args)
 

@@ -91,6 +91,12 @@ BF16_DOT_MAX_ROWS = {"q4_1": 3}
 # and a prompt is most of a CPU's time to first token. The rows sit above what decode
 # steps and speculative verify steps usually have, so those stay exact.
 INT8_PREFILL_MIN_ROWS = 64
+# With int8 activations (`--int8-activations`), formats whose int8 kernel on this vector
+# width wins only at the fewest rows: AVX2's Q8_16 assembles and transposes its 6-bit
+# levels per call, at 0.4-0.5x the exact kernel's time for one or two rows (a decode
+# step) and none faster from 16 (`benchmarks/cpu_quant_linear_ab.py`); calls of more rows
+# take the exact routes.
+INT8_ONLY_MAX_ROWS = {8: {"q8_16": 2}}
 
 
 class Route(str, Enum):
@@ -156,6 +162,7 @@ class RoutePlan:
     dot_max_rows: int = 0  # 0: no bf16 dot-product kernel; never above blocks_max_rows
     unpacked: bool = False  # the rest unpack the blocks per call, not oneDNN's packed copy
     int8_min_rows: int = 0  # 0: none; else calls of these rows or more take int8 x
+    int8_max_rows: int = 0  # calls of up to these rows take int8 x (after the dot kernel)
 
     @property
     def blocks(self) -> bool:
@@ -169,7 +176,7 @@ class RoutePlan:
     def route(self, rows: int) -> Route:
         if rows <= self.dot_max_rows:
             return Route.BLOCKS_BF16
-        if self.int8_min_rows and rows >= self.int8_min_rows:
+        if rows <= self.int8_max_rows or (self.int8_min_rows and rows >= self.int8_min_rows):
             return Route.BLOCKS_INT8
         if rows <= self.blocks_max_rows:
             return self.blocks_route
@@ -194,8 +201,10 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
     if not table:  # no blocks: the plain weight for few rows where it is fp32 or widened
         plain = PACKED_MIN_ROWS if compute == torch.float32 else 0
         return RoutePlan(plain_below=plain, widen=widen)
-    if layer.int8_activations and compute == torch.float32 \
-            and capabilities.has(f"{fmt_op}_int8"):
+    int8_activations = layer.int8_activations and compute == torch.float32 \
+        and capabilities.has(f"{fmt_op}_int8")
+    few = INT8_ONLY_MAX_ROWS.get(capabilities.vector_width, {}).get(fmt, 0)
+    if int8_activations and not few:
         return RoutePlan(sys.maxsize, Route.BLOCKS_INT8, widen=widen)
     unpacked = layer.blocks_only and capabilities.has(f"{fmt}_unpack")
     most = (BLOCKS_ONLY_MAX_ROWS.get((capabilities.vector_width, compute), table)[fmt]
@@ -209,10 +218,11 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
     int8 = (INT8_PREFILL_MIN_ROWS if capabilities.int8_prefill and amx_rows is None
-            and layer.dtype == torch.bfloat16 and capabilities.int8
+            and layer.dtype == torch.bfloat16 and capabilities.int8 and not few
             and capabilities.has(f"{fmt_op}_int8") else 0)
     return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,
-                     unpacked=unpacked, int8_min_rows=int8)
+                     unpacked=unpacked, int8_min_rows=int8,
+                     int8_max_rows=few if int8_activations else 0)
 
 
 def choose_route(shape: LinearShape, capabilities: CpuCapabilities) -> Route:

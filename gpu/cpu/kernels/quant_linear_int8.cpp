@@ -1,4 +1,4 @@
-// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0; Q8_16 on AVX-512: int8_avx512.h) with x
+// x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0, Q8_16: int8_avx512.h, int8_avx2.h) with x
 // quantized to int8, for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones: a bf16
 // model's prompt calls on CPUs without AMX
 // (`--int8-prefill`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
@@ -335,7 +335,9 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   });
 }
 
-// Q8_16's levels, codes and supers as q8_16_blocks.h lays them out: AVX512-VNNI only.
+// Q8_16's levels, codes and supers as q8_16_blocks.h lays them out. AVX-512: each thread
+// unpacks a panel once (at its first tile) into a buffer of its own, read then as Q8_0's;
+// AVX2: rows two at a time from the packed blocks (int8_avx2.h).
 at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
                              const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
   const char* op = "q8_16_linear_int8";
@@ -359,6 +361,19 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
           for (int64_t b = 0; b < w.K / kBlock; ++b)
             Q8_16::unpack(w.qs + w.global(p, b) * Q8_16::kPackedBytes, q + b * kBlock * kPanel);
         });
+#elif defined(RIDGELINE_INT8)
+    const Int8Rows rows = quantize_rows(x, false);
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    for (int64_t r0 = 0; r0 < rows.M; r0 += 2)
+      at::parallel_for(0, panels, std::max<int64_t>(1, 65536 / (kPanel * w.K)),
+                       [&](int64_t begin, int64_t end) {
+                         for (int64_t p = begin; p < end; ++p)
+                           with_rows<2>(rows.M - r0, [&](auto T) {
+                             avx2::tile_q8_16_rows<decltype(T)::value>(
+                                 w, p, rows, r0, out + r0 * N + p * kPanel, N,
+                                 std::min(kPanel, N - p * kPanel));
+                           });
+                       });
 #endif
   });
 }
@@ -380,7 +395,7 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_int8));
   m.impl("q8_0_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_int8));
-#ifdef RIDGELINE_INT8_AVX512  // callers look it up by name
+#ifdef RIDGELINE_INT8  // callers look it up by name
   m.def("q8_16_linear_int8(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
   m.impl("q8_16_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_int8));
 #endif
