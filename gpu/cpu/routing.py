@@ -93,9 +93,9 @@ BF16_DOT_MAX_ROWS = {"q4_1": 3}
 INT8_PREFILL_MIN_ROWS = 64
 # With int8 activations (`--int8-activations`), formats whose int8 kernel on this vector
 # width wins only at the fewest rows: AVX2's Q8_16 assembles and transposes its 6-bit
-# levels per call, at 0.4-0.5x the exact kernel's time for one or two rows (a decode
-# step) and none faster from 16 (`benchmarks/cpu_q8_16_int8_ab.py`); calls of more rows
-# take the exact routes.
+# levels per call, at 0.5-0.85x the exact kernel's time for one or two rows (a decode
+# step) and slower from 16 (`benchmarks/cpu_q8_16_int8_ab.py`); calls of more rows take
+# the exact routes.
 INT8_ONLY_MAX_ROWS = {8: {"q8_16": 2}}
 
 

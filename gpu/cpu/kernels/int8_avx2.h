@@ -25,7 +25,7 @@
 // 2 * 63 * 127 = 16,002 and is widened at once, and 32 * sum(q_x) per half block (16 k,
 // one scale) is taken off again. Rows go two at a time against the whole panel, from the
 // packed blocks straight, read ahead (tile_q8_16_rows): the one or two of a decode call,
-// where this takes 0.4-0.5x the exact kernel's time; from 16 rows it is no faster, and
+// where this takes 0.5-0.85x the exact kernel's time; from 16 rows it is slower, and
 // the routing keeps those calls exact (gpu/cpu/routing.py `INT8_ONLY_MAX_ROWS`).
 #pragma once
 
