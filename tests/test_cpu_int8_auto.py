@@ -11,7 +11,6 @@ close to the exact run's; and the exact run exact (no int8 anywhere)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 from app.cli import build_parser
 from gpu.cpu import isa
 from gpu.dtypes import int8_activations_asked
+from tests.test_cpu_int8_prefill import TEXT, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -74,13 +74,6 @@ for name, kwargs in (("auto", {}), ("float32", {"dtype": "float32"})):
 print(json.dumps(out))
 """
 
-TEXT = ("The KV cache is a pool carved from the memory left after the weights, rented out "
-        "in blocks; the batch is whatever fits in that pool right now, re-formed every "
-        "iteration. When the pool is full a request is preempted and recomputed later. "
-        "Every request carries its own sampling state, and a closed connection aborts its "
-        "request and frees its blocks at once. ") * 3
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict:
     if not HAS_AVX2:
@@ -98,7 +91,7 @@ def test_auto_serves_float32_with_int8_in_every_call(runs):
     auto = runs["auto"]
     assert auto["caps"] == "avx2" and auto["dtype"] == "torch.float32"
     assert auto["routes"] == ["blocks_int8"], auto["routes"]
-    assert all(auto["pairs_only"]), auto["pairs_only"]
+    assert auto["pairs_only"] and all(auto["pairs_only"]), auto["pairs_only"]  # Q4_1 layers
 
 
 def test_float32_asked_is_exact(runs):
@@ -113,9 +106,7 @@ def test_int8_scores_close_to_exact(runs):
     deltas = sorted(abs(a[0] - b[0]) for a, b in pairs)
     assert top1 >= 0.9, top1
     assert deltas[len(deltas) // 2] < 0.06
-    assert abs(perplexity(runs["auto"]) / perplexity(runs["float32"]) - 1) < 0.06
+    ratio = perplexity(runs["auto"]["scores"]) / perplexity(runs["float32"]["scores"])
+    assert abs(ratio - 1) < 0.06
     assert sum(deltas) > 0  # int8 did run
 
-
-def perplexity(run: dict) -> float:
-    return math.exp(-sum(logprob for logprob, _ in run["scores"]) / len(run["scores"]))
