@@ -32,6 +32,7 @@ from gpu.cpu.linear import (
     reads_panel_levels,
 )
 from gpu.cpu.panel_blocks import PanelBlocks
+from gpu.cpu.weight_arena import ENV, WeightArena, huge_page_bytes
 from gpu.roofline import QuantizedReads
 from models.gguf_blocks import GGUFBlocks, QuantizedWeight
 
@@ -96,7 +97,7 @@ def _stacked_runs(parts: list[QuantizedWeight]) -> QuantizedWeight | list[Quanti
 
 def _read_panels(weight: torch.Tensor, quantized: GGUFBlocks, names: list[str],
                  kernels: CpuCapabilities, int8_activations: bool, widen: bool,
-                 blocks_only: bool) -> PanelBlocks | None:
+                 blocks_only: bool, arena: WeightArena) -> PanelBlocks | None:
     """GGUF parts in one format read straight into the kernels' panels
     (`PanelBlocks.read`) where their layer needs nothing else from them: not a widened
     layer packed for oneDNN (which dequantizes the blocks in row order). None: read them
@@ -108,7 +109,7 @@ def _read_panels(weight: torch.Tensor, quantized: GGUFBlocks, names: list[str],
             or not (plan.blocks or plan.amx_rows is not None):
         return None
     return PanelBlocks.read(quantized, names, kernels, levels=reads_panel_levels(plan, fmt),
-                            dot=holds_pairs(plan, fmt))
+                            dot=holds_pairs(plan, fmt), arena=arena)
 
 
 def _stored_float32(parts: list[torch.Tensor] | None) -> torch.Tensor | None:
@@ -264,6 +265,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
     names = _by_parameter(model, {n: n for n in quantized}) if kernels is not None else {}
     stored = _by_parameter(model, checkpoint) if checkpoint is not None else {}
     count, extra, used, on_amx, alone = 0, 0, 0, 0, 0
+    arena = WeightArena()  # the blocks read from the file, on huge pages
 
     widen = multiply_dtype(torch.bfloat16) == torch.float32
     amx = kernels is not None and kernels.amx
@@ -291,7 +293,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
             run = list(group)
             rows = sum(quantized.sources[h].out_features for h in run)
             runs.append(_read_panels(weight[row:row + rows], quantized, run, kernels,
-                                     int8_activations, widen, blocks_only)
+                                     int8_activations, widen, blocks_only, arena)
                         or _stacked_runs([quantized[h] for h in run]))
             row += rows
         return runs[0] if len(runs) == 1 else runs
@@ -329,7 +331,7 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
                                    embed.weight.dtype)
     elif kernels is not None and _lookup_from_own_blocks(model, quantized, kernels):
         own = PanelBlocks.read(quantized, ["model.embed_tokens.weight"], kernels,
-                               levels=True, dot=False)
+                               levels=True, dot=False, arena=arena)
         lookup = BlockEmbedding.of(own, kernels, embed.weight.dtype)
         extra += own.nbytes
     if lookup is not None:
@@ -358,6 +360,12 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight] | No
                 log.info("packed %d %s linear weights for oneDNN%s, %d of them also read "
                          "from their quantized blocks for calls of few rows%s (%+.2f GiB)",
                          count, dtype, how, used, tiles, extra / 2**30)
+    if arena.allocated:
+        huge = huge_page_bytes()
+        log.info("%.2f GiB of blocks read from the file into memory %s%s",
+                 arena.allocated / 2**30,
+                 "advised onto huge pages" if arena.advise else f"without huge pages ({ENV}=0)",
+                 "" if huge is None else f" (this process: {huge / 2**30:.2f} GiB on huge pages)")
     return extra
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.cpu.capabilities import CpuCapabilities
+from gpu.cpu.weight_arena import WeightArena
 from models.gguf_blocks import BLOCK, GGUFBlocks, QuantizedWeight
 from models.gguf_repack import QK_K
 
@@ -49,7 +50,7 @@ class PanelBlocks:
 
     @staticmethod
     def read(blocks: GGUFBlocks, names: list[str], kernels, levels: bool,
-             dot: bool) -> PanelBlocks | None:
+             dot: bool, arena: WeightArena | None = None) -> PanelBlocks | None:
         """The weights `names` (their rows stacked in order, as q, k, v in one qkv) read
         from the GGUF straight into panels by the kernels' `gguf_repack_panels_`: the
         scales (and minimums), the levels where `levels` (else an empty tensor, as
@@ -57,7 +58,9 @@ class PanelBlocks:
         scale codes for them, and then no float32 scales unless with the levels). One
         pass from the mapped file where `of` takes a row-order copy, a stack and a
         transpose, and the pairs another. None where it cannot: no such op, parts in
-        different formats, or a part before the last that ends inside a panel."""
+        different formats, or a part before the last that ends inside a panel. The
+        tensors come from `arena` where given (huge pages: `weight_arena.py`)."""
+        empty = torch.empty if arena is None else arena.empty
         op = CpuCapabilities.of(kernels).op("gguf_repack_panels_") if kernels else None
         sources = [blocks.sources[n] for n in names]
         fmt = sources[0].format
@@ -68,21 +71,21 @@ class PanelBlocks:
         n, k = sum(s.out_features for s in sources), sources[0].in_features
         panels, per_scale = -(-n // PANEL), 16 if fmt == "q8_16" else BLOCK
         level_bytes = {"q4_1": BLOCK // 2, "q8_0": BLOCK, "q8_16": Q8_16_PACKED}[fmt]
-        panel_levels = torch.empty(
+        panel_levels = empty(
             (panels, k // BLOCK, level_bytes, PANEL) if levels or fmt == "q8_16" else 0,
             dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
-        pairs = torch.empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
+        pairs = empty(panels, k // BLOCK, 4, PANEL, dtype=torch.int32) \
             if dot and fmt == "q4_1" else None
         coded = pairs is not None and all(s.type_name == "Q4_K" for s in sources)
-        codes = (torch.empty(panels, k // BLOCK, 2, PANEL, dtype=torch.uint8),
-                 torch.empty(panels, k // QK_K, 2, PANEL)) if coded else (None, None)
+        codes = (empty(panels, k // BLOCK, 2, PANEL, dtype=torch.uint8),
+                 empty(panels, k // QK_K, 2, PANEL)) if coded else (None, None)
         if fmt == "q8_16":  # its scales are codes and supers, always
-            codes = (torch.empty(panels, k // 16, PANEL, dtype=torch.int8),
-                     torch.empty(panels, k // QK_K, PANEL))
+            codes = (empty(panels, k // 16, PANEL, dtype=torch.int8),
+                     empty(panels, k // QK_K, PANEL))
         # Float32 scales for the panels' kernels, or for the pairs' where no codes are.
         floats = (levels or not coded) and fmt != "q8_16"
-        scales = torch.empty(panels, k // per_scale, PANEL) if floats else torch.empty(0)
-        mins = torch.empty_like(scales) if fmt == "q4_1" else None
+        scales = empty(panels, k // per_scale, PANEL) if floats else empty(0)
+        mins = empty(scales.shape) if fmt == "q4_1" else None
         row0 = 0
         for name, src in zip(names, sources, strict=True):
             with blocks.mapped(name) as (raw, rows):

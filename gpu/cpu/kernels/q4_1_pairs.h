@@ -39,7 +39,7 @@ struct Q4_1Pairs {
     __m512 d0, d1, m0, m1;
     const uint32_t* q;
   };
-  inline Block block(int64_t p, int64_t b) const {
+  RIDGELINE_INLINE Block block(int64_t p, int64_t b) const {
     Block bl;
     sc.load<kCoded>(p, b, 0, bl.d0, bl.m0);
     sc.load<kCoded>(p, b, 1, bl.d1, bl.m1);

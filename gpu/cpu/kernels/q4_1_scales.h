@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "force_inline.h"
 #include "prefetch.h"
 
 #if defined(__AVX2__)
@@ -71,7 +72,7 @@ struct Q4_1Scales {
   // wait on memory unless asked for early. Past the call's last block these are
   // addresses of other memory or none: a prefetch never faults (prefetch.h).
   template <bool kCoded>
-  inline void read_ahead(const uint32_t* qp, int64_t block) const {
+  RIDGELINE_INLINE void read_ahead(const uint32_t* qp, int64_t block) const {
     for (int64_t i = 0; i < 8; ++i) prefetch::t1(qp, block * 32 * 4 * 4 + 64 * i);
     if (kCoded) {
       prefetch::t1(codes, block * 64);
@@ -88,7 +89,7 @@ struct Q4_1Scales {
   // Outputs 16h .. 16h + 15 of block b of panel p: their scales and mins. kCoded: which
   // layout (a compile-time choice: the kernels' loops are written once for each).
   template <bool kCoded>
-  inline void load(int64_t p, int64_t b, int h, __m512& dv, __m512& mv) const {
+  RIDGELINE_INLINE void load(int64_t p, int64_t b, int h, __m512& dv, __m512& mv) const {
     if (!kCoded) {
       const int64_t at = (p * blocks + b) * 32 + 16 * h;
       dv = _mm512_loadu_ps(d + at);
@@ -108,7 +109,7 @@ struct Q4_1Scales {
 #if defined(__AVX2__)
   // Outputs n0 .. n0 + 7 of block b of panel p, as `load` gives sixteen.
   template <bool kCoded>
-  inline void load8(int64_t p, int64_t b, int64_t n0, __m256& dv, __m256& mv) const {
+  RIDGELINE_INLINE void load8(int64_t p, int64_t b, int64_t n0, __m256& dv, __m256& mv) const {
     if (!kCoded) {
       const int64_t at = (p * blocks + b) * 32 + n0;
       dv = _mm256_loadu_ps(d + at);

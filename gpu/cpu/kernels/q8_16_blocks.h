@@ -84,7 +84,7 @@ struct Q8_16 {
   // The block's levels from `src` into q[j][n] (int8, k = j): 64 bytes (two rows of j) a
   // step. Output row pair v takes low nibbles from row pair v % 8 (its high nibbles where
   // v >= 8) and top bits from top row pair v % 4, field v / 4.
-  static inline void unpack(const uint8_t* src, int8_t* q) {
+  static RIDGELINE_INLINE void unpack(const uint8_t* src, int8_t* q) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi8(0x3F);
     const __m512i bias = _mm512_set1_epi8(32);
     __m512i top[4];
@@ -108,7 +108,7 @@ struct Q8_16 {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), _mm512_loadu_ps(s));
   }
-  inline Block block(int64_t p, int64_t b) const {
+  RIDGELINE_INLINE Block block(int64_t p, int64_t b) const {
     const int64_t g = global(p, b);
     Block bl;
     bl.codes = codes + 2 * g * kPanel;

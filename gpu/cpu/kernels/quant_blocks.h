@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "force_inline.h"
 #include "prefetch.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -86,7 +87,7 @@ struct Q4_1 {
   // No read-ahead (Q8_0's): a bf16 model's one-row Q4_1 calls take quant_linear_bf16,
   // which reads ahead itself; fp32 models' calls here were not measured with one.
   static constexpr bool kReadsAhead = false;
-  inline Block block(int64_t p, int64_t b) const {
+  RIDGELINE_INLINE Block block(int64_t p, int64_t b) const {
     const int64_t at = (p * (K / kBlock) + b) * kPanel;
     return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), _mm512_loadu_ps(m + at),
             _mm512_loadu_ps(m + at + 16), qs + at * 16};
@@ -179,7 +180,7 @@ struct Q8_0 {
     const int8_t* q;
     const float* d;
   };
-  inline Block block(int64_t p, int64_t b) const {
+  RIDGELINE_INLINE Block block(int64_t p, int64_t b) const {
     const int64_t at = (p * (K / kBlock) + b) * kPanel;
     return {_mm512_loadu_ps(d + at), _mm512_loadu_ps(d + at + 16), qs + at * kBlock, d + at};
   }
