@@ -1,7 +1,8 @@
-"""Where a decode step goes at a given batch: SmolLM2 offline, one step timed and profiled.
+"""Where a decode step goes at a given batch: SmolLM2 (or `--model`, a GGUF or HF
+directory) offline, one step timed and profiled.
 
-    python benchmarks/decode_step_profile.py [--dtype auto] [--batch 1,32] [--prompt 128]
-        [--steps 40] [--shared-prefix 0] [--cascade-ab 0] [--layercall-ab 0]
+    python benchmarks/decode_step_profile.py [--model PATH] [--dtype auto] [--batch 1,32]
+        [--prompt 128] [--steps 40] [--shared-prefix 0] [--cascade-ab 0] [--layercall-ab 0]
 
 For each batch size: that many requests of PROMPT random tokens, prefilled and run ten
 steps, then STEPS decode steps timed one by one (the median is printed: the engine's
@@ -35,6 +36,7 @@ from app.llm import LLM
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="the embedded SmolLM2 when not given")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--prompt", type=int, default=128)
@@ -43,7 +45,8 @@ def main() -> None:
     ap.add_argument("--cascade-ab", type=int, default=0)
     ap.add_argument("--layercall-ab", type=int, default=0)
     a = ap.parse_args()
-    engine = LLM(dtype=a.dtype).engine
+    engine = (LLM(dtype=a.dtype) if a.model is None
+              else LLM(model=a.model, dtype=a.dtype, max_model_len=2048)).engine
     rng = random.Random(0)
     runs = 0
     prefix = [rng.randrange(100, 40000) for _ in range(a.shared_prefix)]

@@ -1,5 +1,6 @@
 """The fused decode call (`gpu/cpu/layer_call.py`, `kernels/decode_layers.cpp`) against
-the module path, on a tiny random bf16 Llama whose linears hold Q4_1 blocks.
+the module path, on a tiny random bf16 Llama whose linears hold Q4_1 blocks, and on one
+mixed as a Q4_K_M file mixes them (some layers' v and down in Q6_K: a `SplitLinear` qkv).
 
 The fused call runs the module path's kernels in its order, so every decode step's
 hidden states, logits, greedy ids and KV pools must be the module path's bit for bit.
@@ -23,10 +24,11 @@ from gpu.cpu.capabilities import CpuCapabilities
 from gpu.cpu.decoder_ops import CpuDecoderOps
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.layer_call import LayerCall
-from gpu.cpu.packing import pack_linears
+from gpu.cpu.packing import SplitLinear, pack_linears
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.gguf_blocks import QuantizedWeight
+from tests.test_gguf_types import random_blocks, rewritten
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
 CAPS = CpuCapabilities.of(KERNELS)
@@ -55,10 +57,22 @@ def q4_1(n: int, k: int, g: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight("q4_1", qweight, scales, mins)
 
 
-def tiny_model(positions: int = 256) -> DecoderForCausalLM:
+# Q6_K blocks span 256 weights of a row: the mixed model's k dimensions are multiples.
+MIXED = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+def q6_k(n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random Q6_K blocks, rewritten as the load rewrites them (Q8_16)."""
+    return rewritten("Q6_K", random_blocks("Q6_K", n, k, seed), n)
+
+
+def tiny_model(positions: int = 256, mixed: bool = False) -> DecoderForCausalLM:
     """The tiny Llama in bf16, its linears packed with their blocks (the weights are the
-    blocks' values) as the runner packs a GGUF model's; RoPE for `positions` positions."""
-    cfg = ModelConfig.from_hf_dict(CONFIG | {"max_position_embeddings": positions})
+    blocks' values) as the runner packs a GGUF model's; RoPE for `positions` positions.
+    `mixed`: layers 0 and 2 hold v_proj and down_proj in Q6_K, as llama-quantize's
+    Q4_K_M gives some layers."""
+    hf = CONFIG | {"max_position_embeddings": positions} | (MIXED if mixed else {})
+    cfg = ModelConfig.from_hf_dict(hf)
     g = torch.Generator().manual_seed(0)
     model = DecoderForCausalLM(cfg, max_positions=positions, ops=CpuDecoderOps(CAPS))
     hidden, inter, head = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -71,7 +85,8 @@ def tiny_model(positions: int = 256) -> DecoderForCausalLM:
         for module, names in PARTS.items():
             for name in names:
                 key = f"model.layers.{i}.{module}.{name}.weight"
-                blocks[key] = q4_1(*shapes[name], g)
+                six = mixed and i != 1 and name in ("v_proj", "down_proj")
+                blocks[key] = q6_k(*shapes[name], seed=i) if six else q4_1(*shapes[name], g)
                 weights[key] = blocks[key].dequantize()
         for norm in ("input_layernorm", "post_attention_layernorm"):
             weights[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
@@ -144,8 +159,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               if b.dtype == torch.bfloat16 else b)
 
 
-def test_fused_decode_is_the_module_path_bit_for_bit():
-    model = tiny_model()
+@pytest.mark.parametrize("mixed", [False, True], ids=["q4_1", "q4_1+q6_k"])
+def test_fused_decode_is_the_module_path_bit_for_bit(mixed):
+    model = tiny_model(mixed=mixed)
+    if mixed:
+        assert type(model.layers[0].self_attn.qkv_proj) is SplitLinear
     ops: CpuDecoderOps = model.ops
     on, off = Run(model, fused=True), Run(model, fused=False)
 
@@ -158,27 +176,40 @@ def test_fused_decode_is_the_module_path_bit_for_bit():
             assert same(a, b)
         return dict(zip(sorted(new), l1.argmax(-1).tolist(), strict=True))
 
+    # Where each decode row count is fused: every one for Q4_1 alone; with Q6_K parts,
+    # one row always (their exact kernel), more where their route is one the call has
+    # (AMX from five rows; no AMX: the unpacked route from two, left to the module path).
+    call = LayerCall.of(model, CAPS.op("decode_layers_bf16"))
+    fused = {rows: call.route(rows) is not None for rows in (1, 2, 4)}
+    assert fused[1] and (mixed or all(fused.values()))
     nxt = both({0: [5, 17, 300, 42, 7]}, fused_rows=False)  # a prefill: the module path
     for _ in range(6):  # one-row decode steps: the fused call
         nxt = both({0: [nxt[0]]}, fused_rows=True)
     nxt |= both({1: [9, 8, 7]}, fused_rows=False)
     for _ in range(3):  # two decode rows: the dot-product kernel still
-        nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=True)
+        nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=fused[2])
     nxt |= both({0: [nxt[0]], 2: [1, 2, 3, 4]}, fused_rows=False)  # decode beside a prefill
     for _ in range(3):  # one row again
         nxt |= both({2: [nxt[2]]}, fused_rows=True)
     nxt |= both({3: [11, 12]}, fused_rows=False)
     for _ in range(4):  # four rows: AMX where the CPU has it, else the widened blocks
-        nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=True)
-    assert ops.layer_calls == 16
+        nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=fused[4])
+    assert ops.layer_calls == 9 + 3 * fused[2] + 4 * fused[4]
 
 
 def test_each_row_count_takes_the_linears_route():
+    """Per format (Q4_1, Q8_16) its route's code, or None where one takes no route the
+    fused call has."""
     call = LayerCall.of(tiny_model(), CAPS.op("decode_layers_bf16"))
-    assert [call.route(r) for r in (1, 2, 3)] == [0, 0, 0]  # the AVX512-BF16 dot product
-    assert call.route(4) == (2 if CAPS.amx else 1)  # AMX, else the widened blocks
+    # The AVX512-BF16 dot product (no Q8_16 parts: its code is a placeholder).
+    assert [call.route(r) for r in (1, 2, 3)] == [[0, 0]] * 3
+    assert call.route(4) == [2 if CAPS.amx else 1, 0]  # AMX, else the widened blocks
     # The layers hold their blocks alone: however many rows, the step reads them.
-    assert call.route(4096) == (2 if CAPS.amx else 1)
+    assert call.route(4096) == [2 if CAPS.amx else 1, 0]
+    mixed = LayerCall.of(tiny_model(mixed=True), CAPS.op("decode_layers_bf16"))
+    assert mixed.route(1) == [0, 1]  # Q6_K: its exact blocks kernel
+    if CAPS.amx:
+        assert mixed.route(8) == [2, 2]
 
 
 def test_models_it_does_not_take_run_their_layers():

@@ -53,6 +53,9 @@ at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
 // quant_linear_amx_table.cpp
 at::Tensor q4_1_linear_amx(const at::Tensor& x, const at::Tensor& qpairs,
                            const at::Tensor& scales, const at::Tensor& mins, int64_t N);
+// quant_linear_amx.cpp
+at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& levels,
+                            const at::Tensor& codes, const at::Tensor& supers, int64_t N);
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "entry_points.h"
 #include "q8_16_blocks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -251,20 +252,25 @@ at::Tensor q8_0_linear_amx(const at::Tensor& x, const at::Tensor& qweight,
   return linear_amx(op, x, w, panels, N);
 }
 
+}  // namespace
+
+namespace kernels {
+
+// entry_points.h: the fused decode call runs it without the dispatcher.
 at::Tensor q8_16_linear_amx(const at::Tensor& x, const at::Tensor& levels,
                             const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
   const Q8_16 w = Q8_16::of(levels, codes, supers, "q8_16_linear_amx");
   return linear_amx("q8_16_linear_amx", x, w, levels.size(0), N);
 }
 
-}  // namespace
+}  // namespace kernels
 
 // Registered only where AMX was compiled in: callers look the ops up by name.
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("q8_0_linear_amx(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q8_0_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_amx));
   m.def("q8_16_linear_amx(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
-  m.impl("q8_16_linear_amx", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_amx));
+  m.impl("q8_16_linear_amx", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_16_linear_amx));
   m.def("amx_usable() -> bool", &amx::permitted);
 }
 #endif
