@@ -3,7 +3,7 @@
 Why: a decode step streams every weight once, and on 4 KiB pages that is a TLB miss
 every 4 KiB of each stream; the page walks stall the kernels' loads, which at one row
 wait on memory already. On 2 MiB pages the walks all but vanish
-(`benchmarks/cpu_huge_pages_ab.py` times a step's kernels both ways).
+(`benchmarks/cpu_huge_pages_ab.py` times a decode step both ways).
 
 How: anonymous private mappings, advised `MADV_HUGEPAGE` before anything touches them,
 so the load's own writes (`PanelBlocks.read` fills these tensors from the file) fault
@@ -17,10 +17,10 @@ The host decides: with transparent huge pages `never` (or a mapping the kernel w
 back with them) these are ordinary pages, as `torch.empty`'s would be. Linux's
 `madvise` setting, the common default, is the one where the advice matters.
 
-What it costs: a huge page is zeroed whole when first touched, which on bare metal
-costs what 512 small pages do. In a VM that hands freed memory back to its host (free
-page reporting), huge pages come from memory the host must fault in again, and the
-load takes longer (`benchmarks/cpu_huge_pages_ab.py` times the load too).
+What it costs: a huge page is zeroed whole when first touched, the same bytes its 512
+small pages would be. In a VM that hands freed memory back to its host (free page
+reporting), huge pages come from memory the host must fault in again, and the load
+takes longer (`benchmarks/cpu_huge_pages_ab.py` times the load too).
 `RIDGELINE_HUGE_PAGES=0` maps the chunks without the advice, for a host where start-up
 time matters more than the steps'.
 """
