@@ -176,25 +176,21 @@ def test_fused_decode_is_the_module_path_bit_for_bit(mixed):
             assert same(a, b)
         return dict(zip(sorted(new), l1.argmax(-1).tolist(), strict=True))
 
-    # Where each decode row count is fused: every one for Q4_1 alone; with Q6_K parts,
-    # one row always (their exact kernel), more where their route is one the call has
-    # (AMX from five rows; no AMX: the unpacked route from two, left to the module path).
-    call = LayerCall.of(model, CAPS.op("decode_layers_bf16"))
-    fused = {rows: call.route(rows) is not None for rows in (1, 2, 4)}
-    assert fused[1] and (mixed or all(fused.values()))
     nxt = both({0: [5, 17, 300, 42, 7]}, fused_rows=False)  # a prefill: the module path
     for _ in range(6):  # one-row decode steps: the fused call
         nxt = both({0: [nxt[0]]}, fused_rows=True)
     nxt |= both({1: [9, 8, 7]}, fused_rows=False)
     for _ in range(3):  # two decode rows: the dot-product kernel still
-        nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=fused[2])
+        nxt |= both({0: [nxt[0]], 1: [nxt[1]]}, fused_rows=True)
     nxt |= both({0: [nxt[0]], 2: [1, 2, 3, 4]}, fused_rows=False)  # decode beside a prefill
     for _ in range(3):  # one row again
         nxt |= both({2: [nxt[2]]}, fused_rows=True)
     nxt |= both({3: [11, 12]}, fused_rows=False)
-    for _ in range(4):  # four rows: AMX where the CPU has it, else the widened blocks
-        nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=fused[4])
-    assert ops.layer_calls == 9 + 3 * fused[2] + 4 * fused[4]
+    # Four rows: Q4_1 on AMX where the CPU has it, else the widened blocks; Q6_K parts
+    # on their exact kernel either way (AMX takes them from five rows).
+    for _ in range(4):
+        nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=True)
+    assert ops.layer_calls == 16
 
 
 def test_each_row_count_takes_the_linears_route():
@@ -207,9 +203,9 @@ def test_each_row_count_takes_the_linears_route():
     # The layers hold their blocks alone: however many rows, the step reads them.
     assert call.route(4096) == [2 if CAPS.amx else 1, 0]
     mixed = LayerCall.of(tiny_model(mixed=True), CAPS.op("decode_layers_bf16"))
-    assert mixed.route(1) == [0, 1]  # Q6_K: its exact blocks kernel
-    if CAPS.amx:
-        assert mixed.route(8) == [2, 2]
+    assert [mixed.route(r) for r in (1, 2, 3)] == [[0, 1]] * 3  # Q6_K: its exact kernel
+    assert mixed.route(4) == [2 if CAPS.amx else 1, 1]
+    assert mixed.route(8) == ([2, 2] if CAPS.amx else [1, 1])  # AMX from five rows
 
 
 def test_models_it_does_not_take_run_their_layers():
