@@ -108,3 +108,23 @@ def test_a_gguf_s_blocks_are_read_into_advised_chunks(smollm2_dir):
             if isinstance(t, torch.Tensor) and t.numel()]
     assert len(layers) == 30 * 4 + 1 and len(held) >= len(layers)
     assert all("hg" in mapping_of(t.data_ptr())[2] for t in held)
+
+
+def test_a_refused_mapping_leaves_the_tensor_to_torch(monkeypatch, caplog):
+    """A host that refuses a chunk's mapping (strict overcommit counts its untouched
+    rest): the tensors still come, from torch's allocator, and the load goes on."""
+    import mmap as mmap_module
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    arena = WeightArena(chunk_bytes=HUGE_PAGE)
+    kept = arena.empty(10, dtype=torch.uint8)  # a chunk mapped before the refusals
+    monkeypatch.setattr(mmap_module, "mmap", refuse)
+    small = arena.empty(2 * HUGE_PAGE, dtype=torch.uint8)  # past the chunk: its own
+    other = arena.empty(HUGE_PAGE, dtype=torch.uint8)  # past the chunk's rest: a new one
+    for t in (small, other):
+        t.fill_(7)
+        assert bool((t == 7).all())
+    assert arena.allocated == kept.nbytes
+    assert "torch allocates them" in caplog.text

@@ -27,6 +27,7 @@ time matters more than the steps'.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -37,6 +38,8 @@ HUGE_PAGE = 2 << 20
 CHUNK = 256 << 20  # bytes a chunk maps (a tensor larger than this gets its own)
 ALIGN = 64  # each tensor starts on a cache line, as torch's own allocator places them
 ENV = "RIDGELINE_HUGE_PAGES"  # "0": no advice (ordinary pages)
+
+log = logging.getLogger("ridgeline.cpu_linear")
 
 
 class WeightArena:
@@ -56,22 +59,35 @@ class WeightArena:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        self.allocated += nbytes
         if nbytes > self.chunk_bytes:  # a mapping of its own; the current chunk goes on
-            return self._map(nbytes)[:nbytes].view(dtype).view(shape)
+            own = self._map(nbytes)
+            if own is None:
+                return torch.empty(shape, dtype=dtype)
+            self.allocated += nbytes
+            return own[:nbytes].view(dtype).view(shape)
         start = -(-self._used // ALIGN) * ALIGN
         if self._chunk is None or start + nbytes > self._chunk.numel():
-            self._chunk, start = self._map(self.chunk_bytes), 0
+            chunk = self._map(self.chunk_bytes)
+            if chunk is None:
+                return torch.empty(shape, dtype=dtype)
+            self._chunk, start = chunk, 0
         self._used = start + nbytes
+        self.allocated += nbytes
         return self._chunk[start:start + nbytes].view(dtype).view(shape)
 
-    def _map(self, nbytes: int) -> torch.Tensor:
-        """A chunk of at least `nbytes` starting on a huge page, advised before any touch."""
+    def _map(self, nbytes: int) -> torch.Tensor | None:
+        """A chunk of at least `nbytes` starting on a huge page, advised before any touch;
+        None where the host refuses the mapping (a strict overcommit limit counts a
+        chunk's untouched rest too): the tensor then takes torch's own allocation."""
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
         # One huge page more, so that the chunk can start on a huge-page boundary.
-        buffer = (mmap.mmap(-1, size + HUGE_PAGE) if private is None
-                  else mmap.mmap(-1, size + HUGE_PAGE, flags=private))
+        try:
+            buffer = (mmap.mmap(-1, size + HUGE_PAGE) if private is None
+                      else mmap.mmap(-1, size + HUGE_PAGE, flags=private))
+        except OSError as e:
+            log.warning("no %d-byte mapping for the blocks (%s): torch allocates them", size, e)
+            return None
         whole = torch.frombuffer(buffer, dtype=torch.uint8)
         skip = -whole.data_ptr() % HUGE_PAGE
         advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
