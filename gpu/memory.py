@@ -176,9 +176,14 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(private_mapping(nbytes), dtype=dtype).view(shape)
+
+
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """`nbytes` of anonymous memory, zero pages until touched: a private mapping where
+    the platform has one (`zeroed_pool` says why not mmap's default shared one)."""
     private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
-    buffer = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+    return mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
 
 
 def mem_available() -> int | None:

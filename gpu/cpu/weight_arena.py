@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from gpu.memory import private_mapping
+
 HUGE_PAGE = 2 << 20
 CHUNK = 256 << 20  # bytes a chunk maps (a tensor larger than this gets its own)
 ALIGN = 64  # each tensor starts on a cache line, as torch's own allocator places them
@@ -80,11 +82,9 @@ class WeightArena:
         None where the host refuses the mapping (a strict overcommit limit counts a
         chunk's untouched rest too): the tensor then takes torch's own allocation."""
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-        private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
         # One huge page more, so that the chunk can start on a huge-page boundary.
         try:
-            buffer = (mmap.mmap(-1, size + HUGE_PAGE) if private is None
-                      else mmap.mmap(-1, size + HUGE_PAGE, flags=private))
+            buffer = private_mapping(size + HUGE_PAGE)
         except OSError as e:
             log.warning("no %d-byte mapping for the blocks (%s): torch allocates them", size, e)
             return None
