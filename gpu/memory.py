@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from gpu.cpu.weight_arena import private_mapping
 
 log = logging.getLogger("ridgeline.memory")
 
@@ -177,13 +178,6 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(private_mapping(nbytes), dtype=dtype).view(shape)
-
-
-def private_mapping(nbytes: int) -> mmap.mmap:
-    """`nbytes` of anonymous memory, zero pages until touched: a private mapping where
-    the platform has one (`zeroed_pool` says why not mmap's default shared one)."""
-    private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
-    return mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
 
 
 def mem_available() -> int | None:

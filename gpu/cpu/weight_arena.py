@@ -34,14 +34,20 @@ import os
 
 import torch
 
-from gpu.memory import private_mapping
-
 HUGE_PAGE = 2 << 20
 CHUNK = 256 << 20  # bytes a chunk maps (a tensor larger than this gets its own)
 ALIGN = 64  # each tensor starts on a cache line, as torch's own allocator places them
 ENV = "RIDGELINE_HUGE_PAGES"  # "0": no advice (ordinary pages)
 
 log = logging.getLogger("ridgeline.cpu_linear")
+
+
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """`nbytes` of anonymous memory, zero pages until touched: a private mapping where
+    the platform has one (`gpu/memory.py` `zeroed_pool` says why not mmap's default
+    shared one)."""
+    private = getattr(mmap, "MAP_PRIVATE", None)  # absent on Windows
+    return mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
 
 
 class WeightArena:
