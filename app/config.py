@@ -199,12 +199,12 @@ class EngineConfig:
         "block of 32, as llama.cpp does, and multiply bytes (AVX512-VNNI or AVX2): ~0.6x "
         "the matmuls' time, but tokens can differ from an exact run's. Unset: on where "
         "--dtype auto serves float32 (a CPU without bf16 arithmetic, AVX2)")
-    int8_prefill: bool = setting(
+    int8_batches: bool = setting(
         True, "on CPUs without AMX, a bf16 model's GGUF layers quantize x to int8 per block "
-        "of 32 in calls of 64 rows or more (prompts), as llama.cpp does in every call, and "
-        "multiply bytes (AVX512-VNNI or AVX2): 2-4x the exact kernels' rate there; decode "
-        "steps of fewer rows and float32 models stay exact. --no-int8-prefill: every call "
-        "exact")
+        "of 32 in calls of 4 rows or more (prompts, decode steps of 4 or more sequences), "
+        "as llama.cpp does in every call, and multiply bytes (AVX512-VNNI or AVX2): 2-4x "
+        "the exact kernels' rate there; one to three rows (a few users' decode steps) and "
+        "float32 models stay exact. --no-int8-batches: every call exact")
     chat_template: str | None = setting(None, "a Jinja chat template, or the path of a file "
                                         "holding one, replacing the tokenizer's own")
     chat_template_render_timeout: float = setting(

@@ -70,7 +70,7 @@ class RunnerSpec:
     torch_threads: int | None  # None: torch's default
     cpu_quantized_matmul: bool = True  # a GGUF's blocks for few-row fp32 matmuls on CPU
     int8_activations: bool | None = False  # every call int8 x; None: where it can (dtypes.py)
-    int8_prefill: bool = False  # prompts' calls so, on CPUs without AMX (`gpu/cpu/routing.py`)
+    int8_batches: bool = False  # many rows' calls so, without AMX (`gpu/cpu/routing.py`)
     kv_cache_dtype: str = "auto"  # "bfloat16": a float32 model's KV cache in half the bytes
     draft_model_dir: str | None = None  # speculative decoding's draft model (gpu/draft.py)
     draft_window: int | None = None  # its window of tokens (None: max_model_len)
@@ -93,11 +93,11 @@ class RunnerSpec:
 
 
 def cpu_capabilities(backend_name: str, device: torch.device,
-                     int8_prefill: bool = False) -> CpuCapabilities | None:
+                     int8_batches: bool = False) -> CpuCapabilities | None:
     """What the CPU and its C++ kernels can do, resolved once at load (None off CPU); the
     kernels are loaded for the `auto` attention backend (`torch`: plain torch)."""
     if device.type == "cpu":
-        return resolve_cpu_capabilities(backend_name == "auto", int8_prefill)
+        return resolve_cpu_capabilities(backend_name == "auto", int8_batches)
 
 
 def make_backend(name: str, device: torch.device, cfg: ModelConfig, block_size: int,
@@ -173,7 +173,7 @@ class ModelRunner:
         self._free_at_start = (torch.cuda.mem_get_info(self.device)[0]
                                if self.device.type == "cuda" else None)
         # Resolved once; the backend, the decoder ops and the linears ask it.
-        self.capabilities = cpu_capabilities(spec.attention_backend, self.device, spec.int8_prefill)
+        self.capabilities = cpu_capabilities(spec.attention_backend, self.device, spec.int8_batches)
         if self.capabilities is not None:
             log.info("CPU capabilities: %s", describe(self.capabilities))
         self.backend: AttentionBackend = make_backend(

@@ -22,7 +22,7 @@ import torch
 from app.cli import build_parser
 from gpu.cpu import isa
 from gpu.dtypes import int8_activations_asked
-from tests.test_cpu_int8_prefill import TEXT, perplexity
+from tests.test_cpu_int8_batches import TEXT, perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

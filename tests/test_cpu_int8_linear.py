@@ -111,7 +111,7 @@ def test_int8_edge_blocks() -> None:
 @needs_int8
 @pytest.mark.parametrize("m", [1, 2, 13, 64, 300])
 def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
-    """A bf16 model's prompt calls (`int8_prefill`): bf16 x, widened exactly, and the
+    """A bf16 model's prompt calls (`int8_batches`): bf16 x, widened exactly, and the
     float32 sums rounded to bf16 once, as the exact kernels do."""
     k, n = 576, 70
     x = torch.randn(m, k).bfloat16()
@@ -207,7 +207,7 @@ def test_int8_smollm2_scores_close_to_exact() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     scores = {}
     for int8 in (False, True):
-        llm = LLM(int8_activations=int8, int8_prefill=False, max_model_len=512)
+        llm = LLM(int8_activations=int8, int8_batches=False, max_model_len=512)
         try:
             if int8:
                 model = llm.engine.worker.wait_ready().model

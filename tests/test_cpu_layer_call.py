@@ -13,6 +13,7 @@ those run the module path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -25,6 +26,7 @@ from gpu.cpu.decoder_ops import CpuDecoderOps
 from gpu.cpu.kernels.build import cpu_kernels
 from gpu.cpu.layer_call import LayerCall
 from gpu.cpu.packing import SplitLinear, pack_linears
+from gpu.cpu.routing import INT8_MIN_ROWS
 from models.config import ModelConfig
 from models.decoder import DecoderForCausalLM
 from models.gguf_blocks import QuantizedWeight
@@ -66,11 +68,12 @@ def q6_k(n: int, k: int, seed: int) -> QuantizedWeight:
     return rewritten("Q6_K", random_blocks("Q6_K", n, k, seed), n)
 
 
-def tiny_model(positions: int = 256, mixed: bool = False) -> DecoderForCausalLM:
+def tiny_model(positions: int = 256, mixed: bool = False,
+               caps: CpuCapabilities = CAPS) -> DecoderForCausalLM:
     """The tiny Llama in bf16, its linears packed with their blocks (the weights are the
     blocks' values) as the runner packs a GGUF model's; RoPE for `positions` positions.
     `mixed`: layers 0 and 2 hold v_proj and down_proj in Q6_K, as llama-quantize's
-    Q4_K_M gives some layers."""
+    Q4_K_M gives some layers. `caps`: the capabilities the linears are packed for."""
     hf = CONFIG | {"max_position_embeddings": positions} | (MIXED if mixed else {})
     cfg = ModelConfig.from_hf_dict(hf)
     g = torch.Generator().manual_seed(0)
@@ -96,7 +99,7 @@ def tiny_model(positions: int = 256, mixed: bool = False) -> DecoderForCausalLM:
     model = model.to(torch.bfloat16)
     model.rotary = model.make_rotary(positions)
     model.load_weights(weights.items())
-    pack_linears(model, blocks, CAPS)
+    pack_linears(model, blocks, caps)
     return model.eval()
 
 
@@ -191,6 +194,35 @@ def test_fused_decode_is_the_module_path_bit_for_bit(mixed):
     for _ in range(4):
         nxt = both({s: [nxt[s]] for s in range(4)}, fused_rows=True)
     assert ops.layer_calls == 16
+
+
+@pytest.mark.skipif(not CAPS.int8, reason="no int8 kernels here")
+@pytest.mark.parametrize("mixed", [False, True], ids=["q4_1", "q4_1+q6_k"])
+def test_fused_decode_takes_the_int8_rows_bit_for_bit(mixed):
+    """The routes of a CPU without AMX (`int8_batches`): decode steps of four rows or
+    more take the int8 kernel, in the fused call as in the module path. Packed for those
+    routes on this host (its AMX kernels left unused), not a mock: the same kernels
+    such a CPU runs."""
+    caps = dataclasses.replace(CAPS, amx=False, int8_batches=True)
+    model = tiny_model(mixed=mixed, caps=caps)
+    call = LayerCall.of(model, CAPS.op("decode_layers_bf16"))
+    assert call.route(INT8_MIN_ROWS) == [3, 3 if mixed else 0]
+    assert call.route(INT8_MIN_ROWS - 1) == [0, 1 if mixed else 0]
+    ops: CpuDecoderOps = model.ops
+    on, off = Run(model, fused=True), Run(model, fused=False)
+    nxt = {}
+    for s in range(4):  # prefills: the module path
+        (_, l1, _), (_, l0, _) = on.step({s: [5 + s, 17, 300]}), off.step({s: [5 + s, 17, 300]})
+        assert same(l1, l0)
+        nxt[s] = l1.argmax(-1).item()
+    for _ in range(4):
+        new = {s: [nxt[s]] for s in range(4)}
+        (h1, l1, _), (h0, l0, _) = on.step(new), off.step(new)
+        assert same(h1, h0) and same(l1, l0)
+        for a, b in zip(on.k + on.v, off.k + off.v, strict=True):
+            assert same(a, b)
+        nxt = dict(enumerate(l1.argmax(-1).tolist()))
+    assert ops.layer_calls == 4
 
 
 def test_each_row_count_takes_the_linears_route():

@@ -10,7 +10,7 @@ import torch
 
 from gpu.cpu.capabilities import OPS, CpuCapabilities
 from gpu.cpu.routing import (
-    INT8_PREFILL_MIN_ROWS,
+    INT8_MIN_ROWS,
     LinearLayer,
     LinearShape,
     Route,
@@ -122,22 +122,25 @@ def test_plan_holds_only_what_its_routes_need():
     assert plan_routes(LinearLayer(BF16, "q4_1"), AMX).amx_rows is not None
 
 
-# A bf16 model's prompt calls without AMX (`int8_prefill`, on by default where the CPU
-# can): int8 x from `INT8_PREFILL_MIN_ROWS` rows, decode's fewer rows as before, blocks
-# held alone; a float32 model keeps the exact kernels.
+# A bf16 model's calls of many rows without AMX (`int8_batches`, on by default where the
+# CPU can): int8 x from `INT8_MIN_ROWS` rows (prompts, decode steps of that many
+# sequences), fewer rows as before, blocks held alone; a float32 model keeps the exact
+# kernels.
 PROMPT_TABLE = [
-    (AVX512_BF16, BF16, "q4_1", 3, DOT),
-    (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),
-    (AVX512_BF16, BF16, "q4_1", INT8_PREFILL_MIN_ROWS, I8),
+    (AVX512_BF16, BF16, "q4_1", INT8_MIN_ROWS - 1, DOT),  # the dot kernel up to there
+    (AVX512_BF16, BF16, "q4_1", INT8_MIN_ROWS, I8),
+    (AVX512_BF16, BF16, "q4_1", 16, I8),  # a decode step of 16 users
+    (AVX512_BF16, BF16, "q8_16", INT8_MIN_ROWS - 1, B),
+    (AVX512_BF16, BF16, "q8_16", INT8_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q8_0", 10**6, I8),
     (AVX512_BF16, BF16, "q8_16", 10**6, I8),
     # AVX2's int8 kernel for Q8_16 is for a decode call's rows only: a prompt's is exact.
     (AVX2, BF16, "q8_16", 4096, Route.UNPACKED),
-    (AVX512_BF16, F32, "q4_1", INT8_PREFILL_MIN_ROWS, B),  # float32: the exact path
-    (AVX2, BF16, "q4_1", INT8_PREFILL_MIN_ROWS - 1, B),  # widened: a float32 multiply
+    (AVX512_BF16, F32, "q4_1", INT8_MIN_ROWS, B),  # float32: the exact path
+    (AVX2, BF16, "q4_1", INT8_MIN_ROWS - 1, B),  # widened: a float32 multiply
     (AVX2, BF16, "q4_1", 4096, I8),  # before the unpacked route
     (AVX2, F32, "q4_1", 4096, Route.UNPACKED),
-    (AVX2, BF16, "q8_0", INT8_PREFILL_MIN_ROWS, I8),
+    (AVX2, BF16, "q8_0", INT8_MIN_ROWS, I8),
     (AVX512_BF16, BF16, None, 4096, Route.PACKED),  # no blocks, no int8
     (PORTABLE, F32, "q4_1", 4096, Route.PACKED),  # no int8 kernels (nor blocks)
 ]
@@ -145,16 +148,16 @@ PROMPT_TABLE = [
 
 @pytest.mark.parametrize(("capabilities", "dtype", "blocks", "rows", "route"), PROMPT_TABLE)
 def test_prompt_route(capabilities, dtype, blocks, rows, route):
-    on = dataclasses.replace(capabilities, int8_prefill=capabilities.int8)
+    on = dataclasses.replace(capabilities, int8_batches=capabilities.int8)
     shape = LinearShape(rows, LinearLayer(dtype, blocks, blocks_only=blocks is not None))
     assert choose_route(shape, on) == route
-    # Off (`--no-int8-prefill`, or a CPU with AMX): the exact kernels take every call.
+    # Off (`--no-int8-batches`, or a CPU with AMX): the exact kernels take every call.
     assert choose_route(shape, capabilities) != I8
 
 
 def test_amx_keeps_prompts_exact():
     """The tile unit is faster than int8 there: `resolve` never turns it on with AMX, and
     a layer with an AMX route never takes int8 for its prompts."""
-    on = dataclasses.replace(AMX, int8_prefill=True)
+    on = dataclasses.replace(AMX, int8_batches=True)
     layer = LinearLayer(BF16, "q4_1", blocks_only=True)
     assert choose_route(LinearShape(4096, layer), on) == AMX_

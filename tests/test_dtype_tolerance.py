@@ -34,8 +34,8 @@ def test_auto_is_bfloat16_exactly_where_the_cpu_multiplies_bf16():
 
 def scored(dtype: str) -> tuple[list[float], list[int]]:
     # bf16's own tolerance: without AMX a bf16 model's prompts also take int8 x by default,
-    # whose tolerance `tests/test_cpu_int8_prefill.py` states apart.
-    llm = LLM(dtype=dtype, int8_prefill=False, max_model_len=512)
+    # whose tolerance `tests/test_cpu_int8_batches.py` states apart.
+    llm = LLM(dtype=dtype, int8_batches=False, max_model_len=512)
     try:
         ids = llm.tokenizer.encode(TEXT.read_text())[:TOKENS]
         (out,) = llm.generate([{"prompt_token_ids": ids}],

@@ -60,9 +60,10 @@ class CpuCapabilities:
     amx: bool = False  # the AMX kernel can run: tiles built in and granted by Linux
     bf16_arithmetic: bool = False  # oneDNN packs and multiplies bf16
     int8: bool = False  # the int8 kernels have a vector path (AVX512-VNNI+VBMI, or AVX2)
-    # The routing quantizes prompts' x to int8 (`routing.INT8_PREFILL_MIN_ROWS`): where
-    # the int8 kernels have a vector path, the CPU no AMX, and `--int8-prefill` is on.
-    int8_prefill: bool = False
+    # The routing quantizes x to int8 in a bf16 model's calls of many rows (prompts,
+    # decode steps of many sequences: `routing.INT8_MIN_ROWS`): where the int8 kernels
+    # have a vector path, the CPU no AMX, and `--int8-batches` is on.
+    int8_batches: bool = False
     onednn_packing: bool = False  # oneDNN's packed linear weights are available
     ops: frozenset[str] = frozenset()  # the C++ ops the loaded library has
     kernels: Any = field(default=None, compare=False, repr=False)  # their `KernelOps`
@@ -115,20 +116,20 @@ def describe(capabilities: CpuCapabilities) -> str:
     capped = f" (capped: {isa.ENV}={isa.cap()})" if isa.cap() != "native" else ""
     return (f"kernels {c.isa}{capped} ({c.vector_width} float lanes), "
             f"bf16 arithmetic {'yes' if c.bf16_arithmetic else 'no'}, "
-            f"int8 {'yes' if c.int8 else 'no'}{' (prompts)' if c.int8_prefill else ''}, "
+            f"int8 {'yes' if c.int8 else 'no'}{' (calls of many rows)' if c.int8_batches else ''}, "
             f"AMX {'yes' if c.amx else 'no'}, "
             f"{len(c.ops)} ops")
 
 
-def resolve(use_kernels: bool = True, int8_prefill: bool = False) -> CpuCapabilities:
+def resolve(use_kernels: bool = True, int8_batches: bool = False) -> CpuCapabilities:
     """This host's capabilities: with the C++ kernels built and loaded when `use_kernels`
     (the `auto` attention backend), else without them (plain torch and oneDNN), under
     the instruction-set cap of `RIDGELINE_CPU_ISA` (`gpu/cpu/isa.py`); prompts' x in
-    int8 where `int8_prefill` asks and the CPU has int8 kernels and no AMX."""
+    int8 where `int8_batches` asks and the CPU has int8 kernels and no AMX."""
     isa.apply()
     if not use_kernels:
         return CpuCapabilities.of(None)
     from gpu.cpu.kernels.build import cpu_kernels
 
     c = CpuCapabilities.of(cpu_kernels())
-    return dataclasses.replace(c, int8_prefill=int8_prefill and c.int8 and not c.amx)
+    return dataclasses.replace(c, int8_batches=int8_batches and c.int8 and not c.amx)

@@ -15,10 +15,10 @@ It applies to a step where all of these hold, and the module path runs the rest:
   type), one route plan per format, no q/k norm, no sliding window, one norm epsilon;
 - the step: decode only (one new token per sequence, every row of the batch), a row
   count each format's linears send to their blocks (`ROUTES`: the bf16 dot-product
-  kernel, the blocks' exact kernel, AMX; not oneDNN's packed weight nor the unpacked
-  route), where the attention backend says its `forward` would take only its C++ paths
-  (`one_call_decode`: RoPE fused with the KV store, `paged_decode`, or cascade attention
-  where the rows share a prefix of blocks), with a bf16 KV pool.
+  kernel, the blocks' exact kernel, AMX, the int8 kernel; not oneDNN's packed weight
+  nor the unpacked route), where the attention backend says its `forward` would take
+  only its C++ paths (`one_call_decode`: RoPE fused with the KV store, `paged_decode`,
+  or cascade attention where the rows share a prefix of blocks), with a bf16 KV pool.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from gpu.cpu.routing import Route
 # The routes the fused call takes, by the code `decode_layers.cpp` reads, and where
 # `PackedLinear` binds each route's kernel arguments (its tensors, then N).
 ROUTES = {Route.BLOCKS_BF16: (0, "_dot_args"), Route.BLOCKS: (1, "_quantized_args"),
-          Route.AMX: (2, "_amx_args")}
+          Route.AMX: (2, "_amx_args"), Route.BLOCKS_INT8: (3, "_int8_args")}
 # The blocks' formats it takes, by the code `decode_layers.cpp` reads.
 FORMATS = {"q4_1": 0, "q8_16": 1}
 ARGS = 3  # a part's tensors for a route's kernel (N apart)

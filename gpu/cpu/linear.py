@@ -162,8 +162,8 @@ class PackedLinear(nn.Module):
         self._quantized_op = (capabilities.op(f"{quantized.format}_linear{suffix}")
                               if plan.blocks else None)
         self.quantized_max_rows = plan.blocks_max_rows
-        # Calls of a prompt's rows on a CPU without AMX, or of the fewest rows where only
-        # those gain (`INT8_ONLY_MAX_ROWS`): the int8 kernel, same arguments.
+        # Calls of many rows on a CPU without AMX, or of the fewest rows where only those
+        # gain (`INT8_ONLY_MAX_ROWS`): the int8 kernel, same arguments.
         self._int8_min_rows = plan.int8_min_rows or sys.maxsize
         self._int8_max_rows = plan.int8_max_rows
         self._int8_op = (capabilities.op(f"{quantized.format}_linear_int8")
@@ -189,6 +189,7 @@ class PackedLinear(nn.Module):
         self._quantized_args = (() if self.quantized is None else paired
                                 or (*self.quantized.tensors, self.out_features))
         self._dot_args = paired if plan.dot_max_rows else ()
+        self._int8_args = self._quantized_args if self._int8_op is not None or suffix else ()
         self._amx_args = paired or self._quantized_args
         self.dot_pairs = pairs
         # Few rows without blocks: the plain weight, in the calls' dtype (a bf16 one

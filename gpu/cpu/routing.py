@@ -18,11 +18,12 @@ The routes, in the order a call tries them:
   read ahead of use; to three rows it beats `blocks` and `amx`, from four the tile unit
   wins.
 - `blocks_int8`: the same blocks with x quantized to int8 (`quant_linear_int8.cpp`): a
-  bf16 model's calls of `INT8_PREFILL_MIN_ROWS` rows or more (a prompt's prefill) on a
-  CPU without AMX (`CpuCapabilities.int8_prefill`); with `--int8-activations` (by
-  default where `--dtype auto` serves float32: AVX2), every call. Not exact: x is
-  rounded to 8 bits per block of 32, as llama.cpp does for every call. `--dtype
-  float32` stays the exact path, as bf16 makes no such promise anyway.
+  bf16 model's calls of `INT8_MIN_ROWS` rows or more (a prompt's prefill, a decode
+  step of that many sequences) on a CPU without AMX (`CpuCapabilities.int8_batches`);
+  with `--int8-activations` (by default where `--dtype auto` serves float32: AVX2),
+  every call. Not exact: x is rounded to 8 bits per block of 32, as llama.cpp does for
+  every call. `--dtype float32` stays the exact path, as bf16 makes no such promise
+  anyway.
 - `amx`: a bf16 model's Q4_1 or Q8_0 blocks on the AMX tile unit
   (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`), for a middle range of rows
   where the tile unit beats both the widened blocks (below) and oneDNN's packed bf16
@@ -85,12 +86,15 @@ BLOCKS_ONLY_MAX_ROWS = {
 # bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
 BF16_DOT_MAX_ROWS = {"q4_1": 3}
-# Without AMX, calls of at least this many rows quantize x to int8 (`Route.BLOCKS_INT8`):
-# where there is no tile unit, integer dot products (VNNI, or AVX2's vpmaddubsw) run at
-# 2-4x the exact kernel's float32 FMAs from a few rows up (`benchmarks/cpu_quant_linear_ab.py`),
-# and a prompt is most of a CPU's time to first token. The rows sit above what decode
-# steps and speculative verify steps usually have, so those stay exact.
-INT8_PREFILL_MIN_ROWS = 64
+# Without AMX, a bf16 model's calls of at least this many rows quantize x to int8
+# (`Route.BLOCKS_INT8`): where there is no tile unit, the exact kernel is bound by its
+# float32 FMAs from a few rows up, and integer dot products (VNNI, or AVX2's
+# vpmaddubsw) do about four times the work an instruction; a prompt is most of a CPU's
+# time to first token, and a decode step of many sequences most of its time under load
+# (`benchmarks/cpu_int8_rows_ab.py`: a model's layers per row count). Fewer rows (one
+# user's decode steps) read the blocks from memory at the same rate either way, so
+# they stay exact, on the bf16 dot-product kernel.
+INT8_MIN_ROWS = 4
 # With int8 activations (`--int8-activations`), formats whose int8 kernel on this vector
 # width wins only at the fewest rows: AVX2's Q8_16 assembles and transposes its 6-bit
 # levels per call, at 0.5-0.85x the exact kernel's time for one or two rows (a decode
@@ -217,7 +221,7 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
             amx_rows = range(amx_rows.start, sys.maxsize)
     dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
-    int8 = (INT8_PREFILL_MIN_ROWS if capabilities.int8_prefill and amx_rows is None
+    int8 = (INT8_MIN_ROWS if capabilities.int8_batches and amx_rows is None
             and layer.dtype == torch.bfloat16 and capabilities.int8 and not few
             and capabilities.has(f"{fmt_op}_int8") else 0)
     return RoutePlan(most, Route.BLOCKS, amx_rows, widen=widen, dot_max_rows=dot,

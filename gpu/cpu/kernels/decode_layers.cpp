@@ -22,8 +22,8 @@
 // its few hundred tensors, not converted from Python lists at every step): each
 // layer's input and post-attention norm weights, then the final norm's; per linear
 // (layer by layer: qkv, o, gate_up, down) its parts' count, and per part its format and
-// N; per route (the AVX512-BF16 dot-product kernel, the blocks' exact kernel, AMX:
-// gpu/cpu/routing.py picks it by format and rows) each part's kArgs tensors as
+// N; per route (the AVX512-BF16 dot-product kernel, the blocks' exact kernel, AMX, the
+// int8 kernel: gpu/cpu/routing.py picks it by format and rows) each part's kArgs tensors as
 // gpu/cpu/linear.py's PackedLinear binds them for that route's kernel (empty tensors
 // where the part has none). Per step: x [T, hidden] the embeddings (becomes the residual
 // stream, updated in place, as in the module path), each format's route, cos and sin,
@@ -57,11 +57,11 @@ constexpr int64_t kArgs = 3;  // a part's tensors for a route's kernel (N apart)
 
 // The linears' kernel by route, and the parts' formats: the codes gpu/cpu/layer_call.py
 // passes (`ROUTES`, `FORMATS`).
-enum Route : int64_t { kDot = 0, kBlocks = 1, kAmx = 2, kRoutes = 3 };
+enum Route : int64_t { kDot = 0, kBlocks = 1, kAmx = 2, kInt8 = 3, kRoutes = 4 };
 enum Format : int64_t { kQ4_1 = 0, kQ8_16 = 1, kFormats = 2 };
 
 // The one call into a part's kernel: `args` its tensors as PackedLinear binds them for
-// `route` (its `_dot_args`, `_quantized_args` or `_amx_args`, less N).
+// `route` (its `_dot_args`, `_quantized_args` (blocks and int8) or `_amx_args`, less N).
 at::Tensor linear(int64_t format, int64_t route, const at::Tensor& x, const at::Tensor* args,
                   int64_t n) {
   if (format == kQ4_1 && route == kDot)
@@ -70,6 +70,12 @@ at::Tensor linear(int64_t format, int64_t route, const at::Tensor& x, const at::
     return kernels::q4_1_linear(x, args[0], args[1], args[2], n);
   if (format == kQ8_16 && route == kBlocks)
     return kernels::q8_16_linear(x, args[0], args[1], args[2], n);
+#ifdef KERNELS_INT8_LINEAR
+  if (format == kQ4_1 && route == kInt8)
+    return kernels::q4_1_linear_int8(x, args[0], args[1], args[2], n);
+  if (format == kQ8_16 && route == kInt8)
+    return kernels::q8_16_linear_int8(x, args[0], args[1], args[2], n);
+#endif
 #ifdef KERNELS_Q4_1_LINEAR_AMX
   if (format == kQ4_1 && route == kAmx)
     return kernels::q4_1_linear_amx(x, args[0], args[1], args[2], n);
@@ -96,10 +102,11 @@ struct DecodeWeights : torch::CustomClassHolder {
   DecodeWeights(std::vector<at::Tensor> norms_, double eps_, std::vector<int64_t> parts_,
                 std::vector<int64_t> formats_, std::vector<int64_t> out_features_,
                 int64_t num_heads_, std::vector<at::Tensor> dot, std::vector<at::Tensor> blocks,
-                std::vector<at::Tensor> amx)
+                std::vector<at::Tensor> amx, std::vector<at::Tensor> int8)
       : norms(std::move(norms_)), eps(eps_), parts(std::move(parts_)),
         formats(std::move(formats_)), out_features(std::move(out_features_)),
-        num_heads(num_heads_), linears{std::move(dot), std::move(blocks), std::move(amx)} {
+        num_heads(num_heads_),
+        linears{std::move(dot), std::move(blocks), std::move(amx), std::move(int8)} {
     const auto layers = static_cast<int64_t>(parts.size()) / kLinears;
     const auto count = static_cast<int64_t>(formats.size());
     TORCH_CHECK(layers > 0 && static_cast<int64_t>(parts.size()) == kLinears * layers &&
@@ -245,7 +252,7 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
       .def(torch::init<std::vector<at::Tensor>, double, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t,
                        std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>>());
+                       std::vector<at::Tensor>, std::vector<at::Tensor>>());
   m.def("decode_layers_bf16(__torch__.torch.classes.ridgeline_cpu.DecodeWeights weights, "
         "Tensor(a!) x, int[] routes, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
         "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "

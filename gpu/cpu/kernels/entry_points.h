@@ -41,6 +41,16 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& codes,
                         const at::Tensor& supers, int64_t N);
 
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || \
+    (defined(__AVX2__) && defined(__FMA__))
+#define KERNELS_INT8_LINEAR
+// quant_linear_int8.cpp
+at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const at::Tensor& mins, int64_t N);
+at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
+                             const at::Tensor& codes, const at::Tensor& supers, int64_t N);
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KERNELS_Q4_1_LINEAR_BF16
 // quant_linear_bf16.cpp

@@ -1,7 +1,7 @@
 // x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0, Q8_16: int8_avx512.h, int8_avx2.h) with x
 // quantized to int8, for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones: a bf16
 // model's prompt calls on CPUs without AMX
-// (`--int8-prefill`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
+// (`--int8-batches`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
 // float32 or bf16 (widened exactly; the sums then rounded to bf16 once, as the exact
 // kernels do); a Q4_1 layer's levels come as panels or, where the layer holds them so, as
 // the bf16 dot kernel's pairs (int8_pairs.h).
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "int8_avx512.h"
+#include "entry_points.h"
 #include "int8_pairs.h"
 #include "q8_16_blocks.h"
 #include "quant_blocks.h"
@@ -278,6 +279,11 @@ at::Tensor in_float32(const at::Tensor& x, int64_t N, Fn&& linear) {
   return out;
 }
 
+}  // namespace
+
+// The entry points (entry_points.h: decode_layers.cpp calls them directly too).
+namespace kernels {
+
 // qweight: the panels' levels (uint8 [P, K/32, 16, 32]) with float32 scales and mins, or
 // the dot kernel's pairs (int32 [P, K/32, 4, 32]) with float32 scales and
 // mins or a Q4_K's codes and supers.
@@ -378,6 +384,10 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
   });
 }
 
+}  // namespace kernels
+
+namespace {
+
 bool int8_linear_supported() {
 #ifdef RIDGELINE_INT8
   return true;
@@ -393,10 +403,10 @@ TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.impl("int8_linear_supported", c10::DispatchKey::CatchAll, TORCH_FN(int8_linear_supported));
   m.def("q4_1_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
-  m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q4_1_linear_int8));
-  m.impl("q8_0_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_0_linear_int8));
+  m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_int8));
+  m.impl("q8_0_linear_int8", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_0_linear_int8));
 #ifdef RIDGELINE_INT8  // callers look it up by name
   m.def("q8_16_linear_int8(Tensor x, Tensor levels, Tensor codes, Tensor supers, int N) -> Tensor");
-  m.impl("q8_16_linear_int8", c10::DispatchKey::CPU, TORCH_FN(q8_16_linear_int8));
+  m.impl("q8_16_linear_int8", c10::DispatchKey::CPU, TORCH_FN(kernels::q8_16_linear_int8));
 #endif
 }
