@@ -124,13 +124,14 @@ def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
 @needs_int8
 @pytest.mark.parametrize("m", [1, 5, 64, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:
+@pytest.mark.parametrize("k", [768, 2304])  # 2304: the blocks in three spans (the last short)
+def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
     """A bf16 Q4_K layer where the dot kernel is holds its levels as that kernel's pairs
     with the file's scale codes (`q4_1_pairs.h`): the int8 kernel reads them (x's levels
     in the pairs' order, `int8_pairs.h`) to the same bits as the panels."""
     from tests.test_cpu_q4_k_codes import read_q4_k
 
-    n, k = 72, 768
+    n = 72
     blocks, _ = read_q4_k(n, k, seed=m)
     x = torch.randn(m, k).to(dtype)
     want = KERNELS.q4_1_linear_int8(x, *blocks.tensors, n)
@@ -145,12 +146,13 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype) -> None:
 @needs_int8
 @pytest.mark.parametrize("m", [1, 2, 13, 64, 300])
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
-def test_int8_q8_16_matches_reference(m, type_name) -> None:
+@pytest.mark.parametrize("k", [512, 2560])  # 2560: the blocks in three spans (the last short)
+def test_int8_q8_16_matches_reference(m, type_name, k) -> None:
     """Q8_16 (a Q6_K's or Q3_K's levels, a scale per 16): the integer sums per half block
     exact, each scaled by its own scale; x's bf16 rounded once as the others'."""
     from tests.test_gguf_types import random_blocks, rewritten
 
-    n, k = 70, 512
+    n = 70
     q = rewritten(type_name, random_blocks(type_name, n, k, seed=m), n)
     panels = PanelBlocks.of(q)
     x = torch.randn(m, k)

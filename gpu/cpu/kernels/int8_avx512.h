@@ -1,14 +1,14 @@
 // The AVX512-VNNI int8 kernels' shared pieces (quant_linear_int8.cpp has the algorithm
 // and the entry points): a half panel's lanes, the byte gather from a block's [k][32]
 // rows to vpdpbusd's [output][4 k], a row's 4 x levels broadcast; and the tile for
-// Q8_16 (a Q6_K's or Q3_K's levels, q8_16_blocks.h).
+// Q8_16 (a Q6_K's or Q3_K's levels, q8_16_blocks.h), with the panel's unpacking for it.
 //
-// Q8_16: per panel its blocks' 6-bit levels are unpacked once into a thread's buffer in
-// Q8_0's layout (signed int8 [K/32][32 k][32 outputs], `Q8_16::unpack`), which every half
-// and row tile of the panel then reads as the Q8_0 tile reads its panel: x's levels made
-// unsigned (+128, once, as they are quantized) against the signed weights, 128 * sum(q_w)
-// taken off, the integer sums exact; but summed per half block (16 k), each scaled by its
-// own scale (code * super).
+// Q8_16: per panel its blocks' 6-bit levels are unpacked once into a thread's buffer,
+// already in vpdpbusd's [output][4 k] order with the block's scales beside them, which
+// every row tile of the panel then reads: x's levels made unsigned (+128, once, as they
+// are quantized) against the signed weights, the integer sums exact per half block (16
+// k), each converted and scaled by its own scale (code * super) once, and what the
+// offset adds, 128 * sum(q_w) scaled alike, taken off in float32 once per block.
 #pragma once
 
 #include <cstdint>
@@ -44,45 +44,96 @@ inline __m512i gather_group(const uint8_t* rows, __m512i index) {
                                   _mm512_loadu_si512(rows + 2 * kPanel));
 }
 
+// A tile's sums so far: zero where its span of blocks starts them, else what `out` holds
+// (quant_linear_int8.cpp `Int8Span`).
+template <typename Span>
+inline __m512 sums_so_far(const Span& x, const float* out, __mmask16 mask) {
+  return x.first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out);
+}
+
 inline __m512i broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
   return _mm512_set1_epi32(v);
 }
 
-// T rows of x (levels from row r0, stored as q + 128) against half `half` of Q8_16 panel
-// p, whose levels `levels` holds unpacked.
-template <int T, typename Rows>
-inline void tile_q8_16(const Q8_16& w, const int8_t* levels, int64_t p, int half,
-                       const Rows& x, int64_t r0, float* out, int64_t os, int64_t cols) {
-  const __mmask16 mask = half_mask(half, cols);
-  const __m512i index = gather_index(half), ones = _mm512_set1_epi8(1);
-  const int64_t blocks = w.K / kBlock;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(levels + b * kBlock * kPanel);
-    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d.data() + b * x.M + r0;
+// Q8_16 for the int8 tiles: each thread unpacks a panel once (`unpack_q8_16_panel`, at
+// its first tile) into a buffer of its own, per block `Q8_16Panel::kBytes`: the levels as
+// vpdpbusd reads them, [8 groups of 4 k][32 outputs][4 k] (signed: level - 32), so that a
+// tile loads each group's 16 outputs with one load; then per half of the panel (16
+// outputs) three float32 vectors: the scales of k 0-15 and 16-31 (code * super) and
+// 128 * (sum(q_w) over k 0-15 * the first + over k 16-31 * the second), what x's
+// offset (its levels stored + 128, vpdpbusd's unsigned side) adds to the scaled sums.
+struct Q8_16Panel {
+  static constexpr int64_t kLevels = kBlock * kPanel;
+  static constexpr int64_t kBytes = kLevels + 2 * 3 * 64;
+};
+
+inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int8_t* panel) {
+  alignas(64) int8_t q[kBlock * kPanel];
+  const __m512i index[2] = {gather_index(0), gather_index(1)};
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const int64_t g = w.global(p, b);
-    for (int h = 0; h < 2; ++h) {  // k = 16h .. 16h + 15, one scale
-      __m512i dot[T], wsum = _mm512_setzero_si512();
+    int8_t* dst = panel + b * Q8_16Panel::kBytes;
+    Q8_16::unpack(w.qs + g * Q8_16::kPackedBytes, q);
+    for (int half = 0; half < 2; ++half) {
+      __m512i wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int j = 0; j < 8; ++j) {
+        const __m512i lv = gather_group(reinterpret_cast<const uint8_t*>(q) + 4 * j * kPanel,
+                                        index[half]);
+        _mm512_store_si512(dst + j * 2 * 64 + half * 64, lv);
+        wsum[j / 4] = _mm512_dpbusd_epi32(wsum[j / 4], ones, lv);
+      }
+      const float* supers = w.supers + (g / 8) * kPanel + 16 * half;
+      const __m512 s0 = Q8_16::scales16(w.codes + 2 * g * kPanel + 16 * half, supers);
+      const __m512 s1 = Q8_16::scales16(w.codes + (2 * g + 1) * kPanel + 16 * half, supers);
+      const __m512 offset = _mm512_mul_ps(
+          _mm512_set1_ps(128.f), _mm512_fmadd_ps(_mm512_cvtepi32_ps(wsum[1]), s1,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(wsum[0]), s0)));
+      float* f = reinterpret_cast<float*>(dst + Q8_16Panel::kLevels + half * 3 * 64);
+      _mm512_store_ps(f, s0);
+      _mm512_store_ps(f + 16, s1);
+      _mm512_store_ps(f + 32, offset);
+    }
+  }
+}
+
+// The rows a Q8_16 tile takes at most: per row its sums of both halves of a block and
+// its accumulator stay in registers.
+constexpr int kQ8_16Tile = 8;
+
+// T rows of x (levels from row r0, stored as q + 128) against half `half` of a Q8_16
+// panel unpacked by `unpack_q8_16_panel` into `panel`. Per block and row: the two halves'
+// integer sums, each converted and scaled once, the offset taken off, times x's scale.
+template <int T, typename Rows>
+inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0, float* out,
+                       int64_t os, int64_t cols) {
+  const __mmask16 mask = half_mask(half, cols);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  for (int64_t b = x.b0; b < x.b1; ++b) {
+    const int8_t* blk = panel + b * Q8_16Panel::kBytes;
+    const float* f = reinterpret_cast<const float*>(blk + Q8_16Panel::kLevels + half * 3 * 64);
+    const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d + b * x.M + r0;
+    __m512i dot[T];
+    __m512 part[T];
+    for (int h = 0; h < 2; ++h) {  // k = 16h .. 16h + 15
       for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int j = 4 * h; j < 4 * h + 4; ++j) {
-        const __m512i lv = gather_group(q + 4 * j * kPanel, index);
-        wsum = _mm512_dpbusd_epi32(wsum, ones, lv);
+        const __m512i lv = _mm512_load_si512(blk + j * 2 * 64 + half * 64);
         for (int t = 0; t < T; ++t)
           dot[t] = _mm512_dpbusd_epi32(dot[t], broadcast4(xq + t * kBlock + 4 * j), lv);
       }
-      const __m512i bias = _mm512_slli_epi32(wsum, 7);  // 128 * sum(q_w)
-      const __m512 d = Q8_16::scales16(w.codes + (2 * g + h) * kPanel + 16 * half,
-                                       w.supers + (g / 8) * kPanel + 16 * half);
-      for (int t = 0; t < T; ++t) {
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], bias));
-        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(sums, _mm512_set1_ps(xd[t])), d, acc[t]);
-      }
+      const __m512 scale = _mm512_load_ps(f + 16 * h);
+      for (int t = 0; t < T; ++t)
+        part[t] = h == 0 ? _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[t]), scale, _mm512_load_ps(f + 32))
+                         : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, part[t]);
     }
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), acc[t]);
   }
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }

@@ -48,6 +48,7 @@ struct Pairs {
 namespace int8_pairs {
 
 using int8_avx512::broadcast4;
+using int8_avx512::sums_so_far;
 
 // T rows of x (levels in `kPairOrder`) against half `half` of a Q4_1 panel p held as the
 // dot kernel's pairs: per chunk one load of 16 outputs' dwords, its low and high nibbles
@@ -59,12 +60,12 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  for (int64_t b = x.b0; b < x.b1; ++b) {
     const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + 16 * half;
-    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d.data() + b * x.M + r0;
-    const float* xsum = x.sum.data() + b * x.M + r0;
+    const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d + b * x.M + r0;
+    const float* xsum = x.sum + b * x.M + r0;
     __m512i dot[T];
     for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4

@@ -21,8 +21,8 @@
 // tokens can differ from an exact run's. benchmarks/cpu_quant_linear_ab.py times the
 // kernel beside the exact one and oneDNN.
 //
-// How: per panel half (16 outputs, a vector of 16 int32 lanes) and tile of up to kTile
-// rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per output from the
+// How: per panel half (16 outputs, a vector of 16 int32 lanes), span of blocks and tile
+// of up to kTile rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per output from the
 // panel layout (quant_blocks.h: a k's 32 outputs are contiguous) into [output][4 k], and
 // each row's 4 x bytes are broadcast to every lane. Q4_1's byte holds k and k + 16, so
 // one gather serves two groups (low and high nibbles, both unsigned levels 0-15 as
@@ -45,6 +45,7 @@
 #include "int8_avx512.h"
 #include "entry_points.h"
 #include "int8_pairs.h"
+#include "int8_rows.h"
 #include "q8_16_blocks.h"
 #include "quant_blocks.h"
 #include "round_bf16.h"
@@ -63,68 +64,6 @@ namespace {
 using namespace quant;
 
 #ifdef RIDGELINE_INT8
-// x's rows quantized per block of 32, block-major so that a tile's rows sit at fixed
-// offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M].
-struct Int8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum;
-  int64_t M = 0, blocks = 0;
-};
-
-// Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
-// (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
-// and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
-// `kPairOrder` for the pairs; `offset`: stored as q + 128 (unsigned bits), for a tile that
-// puts x on vpdpbusd's unsigned side.
-Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset = false) {
-  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const float* src = bf16 ? nullptr : x.const_data_ptr<float>();
-  const c10::BFloat16* src16 = bf16 ? x.const_data_ptr<c10::BFloat16>() : nullptr;
-  Int8Rows r;
-  r.M = M;
-  r.blocks = K / kBlock;
-  r.q.resize(M * K);
-  r.d.resize(M * r.blocks);
-  r.sum.resize(M * r.blocks);
-  at::parallel_for(0, M * r.blocks, 256, [&](int64_t begin, int64_t end) {
-    float widened[kBlock];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / M, t = i % M;
-      const float* v = src + t * xs + b * kBlock;
-      if (bf16) {
-        for (int64_t j = 0; j < kBlock; ++j)
-          widened[j] = static_cast<float>(src16[t * xs + b * kBlock + j]);
-        v = widened;
-      }
-      int8_t* q = r.q.data() + i * kBlock;
-#ifndef RIDGELINE_INT8_AVX512
-      avx2::quantize_block(v, q, r.d[i], r.sum[i]);
-#else
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const __m512 scale = _mm512_set1_ps(inv);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
-      r.d[i] = d;
-      r.sum[i] = sum;
-#endif
-      if (pair_order) {
-        int8_t k_order[kBlock];
-        std::memcpy(k_order, q, kBlock);
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
-      }
-      if (offset)
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
-    }
-  });
-  return r;
-}
-
 #ifdef RIDGELINE_INT8_AVX512
 using namespace int8_avx512;
 constexpr int kInt8Tile = static_cast<int>(kTile);
@@ -134,19 +73,19 @@ inline bool half_used(int half, int64_t cols) { return cols > 16 * half; }
 
 // T rows of x (levels from row r0) against half `half` of Q4_1 panel p.
 template <int T>
-inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
+inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Span& x, int64_t r0,
                       float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = half_mask(half, cols);
   const __m512i index = gather_index(half), nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  for (int64_t b = x.b0; b < x.b1; ++b) {
     const int64_t at = (p * blocks + b) * kPanel;
     const uint8_t* q = w.qs + at * 16;
-    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d.data() + b * x.M + r0;
-    const float* xsum = x.sum.data() + b * x.M + r0;
+    const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d + b * x.M + r0;
+    const float* xsum = x.sum + b * x.M + r0;
     __m512i dot[T];
     for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -172,19 +111,19 @@ inline void tile_q4_1(const Q4_1& w, int64_t p, int half, const Int8Rows& x, int
 // T rows of x against half `half` of Q8_0 panel p. vpdpbusd multiplies unsigned by
 // signed bytes: the signed weights take the signed side, x goes as q_x + 128.
 template <int T>
-inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Int8Rows& x, int64_t r0,
+inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Int8Span& x, int64_t r0,
                       float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = half_mask(half, cols);
   const __m512i index = gather_index(half), flip = _mm512_set1_epi8(static_cast<char>(0x80)),
                 ones = _mm512_set1_epi8(1);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  for (int64_t b = x.b0; b < x.b1; ++b) {
     const int64_t at = (p * blocks + b) * kPanel;
     const uint8_t* q = reinterpret_cast<const uint8_t*>(w.qs + at * kBlock);
-    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d.data() + b * x.M + r0;
+    const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
+    const float* xd = x.d + b * x.M + r0;
     __m512i dot[T], wsum = _mm512_setzero_si512();
     for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -212,35 +151,52 @@ using avx2::tile_q4_1;
 using avx2::tile_q8_0;
 #endif
 
-// Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
-// tiles of equal size, at most kTile. Chunking keeps the rows' levels (K bytes a row)
-// in L2 while every panel reads them: unchunked, a long prefill's levels (K bytes a row,
-// megabytes in all) would come from L3 once per panel half.
-constexpr int64_t kRowChunk = 256;
+// Rows in chunks of kChunkBytes of levels (K bytes a row; at most kRowChunk rows), each
+// parallel over panels, the chunk's rows in tiles of equal size, at most kMaxRows (what
+// the tile's registers hold). Chunking keeps the rows' levels in L2 beside the panel
+// while every tile of the panel reads them: unchunked, a long prefill's levels
+// (megabytes in all) would come from L3 once per panel half.
+constexpr int64_t kRowChunk = 256, kChunkBytes = 512 * 1024;
+#ifdef RIDGELINE_INT8_AVX512
+// And per panel, its blocks in spans of kSpanBlocks (1024 k), each span's half panel
+// read by every row tile in turn: a few KB (Q4_1's pairs; a Q8_16's unpacked ~22 KB) that
+// stay in L1 across the tiles, where a whole half panel of a long K (an MLP's down
+// projection: K = 8192) would not, and every tile would stream it from L2 again.
+constexpr int64_t kSpanBlocks = 32;
+#endif
 
 // Called at each panel before its tiles (Q8_16 unpacks it there); by default nothing.
 struct NoPanel {
   void operator()(int64_t) const {}
 };
 
-template <typename W, typename Tile, typename Panel = NoPanel>
+template <int kMaxRows = kInt8Tile, typename W, typename Tile, typename Panel = NoPanel>
 void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& tile,
                  Panel&& panel = {}) {
   const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
-  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
-    const int64_t rows = std::min(kRowChunk, M - c0),
-                  tiles = (rows + kInt8Tile - 1) / kInt8Tile,
+  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / w.K, kMaxRows, kRowChunk);
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t rows = std::min(chunk, M - c0),
+                  tiles = (rows + kMaxRows - 1) / kMaxRows,
                   tile_rows = (rows + tiles - 1) / tiles;
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
         panel(p);
-        for (int half = 0; half < 2 && half_used(half, cols); ++half)
-          for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
-            with_rows<kInt8Tile>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
-              tile(T, w, p, half, x, r0, out + r0 * N + p * kPanel, N, cols);
-            });
+#ifdef RIDGELINE_INT8_AVX512
+        for (int64_t b0 = 0; b0 < x.blocks; b0 += kSpanBlocks) {
+          const Int8Span span(x, b0, std::min(x.blocks, b0 + kSpanBlocks));
+#else
+        {
+          const Int8Rows& span = x;
+#endif
+          for (int half = 0; half < 2 && half_used(half, cols); ++half)
+            for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
+              with_rows<kMaxRows>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
+                tile(T, w, p, half, span, r0, out + r0 * N + p * kPanel, N, cols);
+              });
+        }
       }
     });
   }
@@ -342,8 +298,9 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
 }
 
 // Q8_16's levels, codes and supers as q8_16_blocks.h lays them out. AVX-512: each thread
-// unpacks a panel once (at its first tile) into a buffer of its own, read then as Q8_0's;
-// AVX2: rows two at a time from the packed blocks (int8_avx2.h).
+// unpacks a panel once (at its first tile) into a buffer of its own, in vpdpbusd's order
+// with its scales (int8_avx512.h `unpack_q8_16_panel`); AVX2: rows two at a time from the
+// packed blocks (int8_avx2.h).
 at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
                              const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
   const char* op = "q8_16_linear_int8";
@@ -353,19 +310,16 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
               ": N within the panels");
   return in_float32(x, N, [&](float* out) {
 #ifdef RIDGELINE_INT8_AVX512
-    // Each thread's panel, unpacked (64-byte aligned: `Q8_16::unpack` stores so).
+    // Each thread's panel, unpacked (64-byte aligned: the tile loads it so).
     static thread_local std::vector<__m512i> panel;
-    int8_linear(
+    int8_linear<kQ8_16Tile>(
         w, quantize_rows(x, false, true), N, out,
-        [](auto T, const Q8_16& w, int64_t p, auto&&... a) {
-          tile_q8_16<decltype(T)::value>(w, reinterpret_cast<const int8_t*>(panel.data()), p,
-                                         a...);
+        [](auto T, const Q8_16&, int64_t, auto&&... a) {
+          tile_q8_16<decltype(T)::value>(reinterpret_cast<const int8_t*>(panel.data()), a...);
         },
         [&](int64_t p) {
-          panel.resize(w.K / kBlock * kBlock * kPanel / 64);
-          auto* q = reinterpret_cast<int8_t*>(panel.data());
-          for (int64_t b = 0; b < w.K / kBlock; ++b)
-            Q8_16::unpack(w.qs + w.global(p, b) * Q8_16::kPackedBytes, q + b * kBlock * kPanel);
+          panel.resize(w.K / kBlock * Q8_16Panel::kBytes / 64);
+          unpack_q8_16_panel(w, p, reinterpret_cast<int8_t*>(panel.data()));
         });
 #elif defined(RIDGELINE_INT8)
     const Int8Rows rows = quantize_rows(x, false);

@@ -1,0 +1,103 @@
+// x's rows quantized to int8 for the int8 kernels (quant_linear_int8.cpp): the rows'
+// levels, scales and exact sums, and the span of them an AVX-512 tile reads.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int8_pairs.h"
+#include "quant_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define RIDGELINE_INT8_ROWS_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "int8_avx2.h"
+#endif
+
+#if defined(RIDGELINE_INT8_ROWS_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+namespace quant {
+
+// x's rows quantized per block of 32, block-major so that a tile's rows sit at fixed
+// offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M].
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  int64_t M = 0, blocks = 0;
+};
+
+#ifdef RIDGELINE_INT8_ROWS_AVX512
+// What an AVX-512 tile reads of the rows: blocks [b0, b1) of them, and whether those
+// start the sums (`first`: else the tile adds to what `out` holds, the sums of the
+// blocks before, in the same order as one pass would).
+struct Int8Span {
+  const int8_t* q;
+  const float *d, *sum;
+  int64_t M, b0, b1;
+  bool first;
+  Int8Span(const Int8Rows& r, int64_t b0_, int64_t b1_)
+      : q(r.q.data()), d(r.d.data()), sum(r.sum.data()), M(r.M), b0(b0_), b1(b1_),
+        first(b0_ == 0) {}
+};
+#endif
+
+// Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
+// (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
+// and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
+// `kPairOrder` for the pairs; `offset`: stored as q + 128 (unsigned bits), for a tile that
+// puts x on vpdpbusd's unsigned side.
+inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset = false) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* src = bf16 ? nullptr : x.const_data_ptr<float>();
+  const c10::BFloat16* src16 = bf16 ? x.const_data_ptr<c10::BFloat16>() : nullptr;
+  Int8Rows r;
+  r.M = M;
+  r.blocks = K / kBlock;
+  r.q.resize(M * K);
+  r.d.resize(M * r.blocks);
+  r.sum.resize(M * r.blocks);
+  at::parallel_for(0, M * r.blocks, 256, [&](int64_t begin, int64_t end) {
+    float widened[kBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / M, t = i % M;
+      const float* v = src + t * xs + b * kBlock;
+      if (bf16) {
+        for (int64_t j = 0; j < kBlock; ++j)
+          widened[j] = static_cast<float>(src16[t * xs + b * kBlock + j]);
+        v = widened;
+      }
+      int8_t* q = r.q.data() + i * kBlock;
+#ifndef RIDGELINE_INT8_ROWS_AVX512
+      avx2::quantize_block(v, q, r.d[i], r.sum[i]);
+#else
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      const __m512 scale = _mm512_set1_ps(inv);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
+      r.d[i] = d;
+      r.sum[i] = sum;
+#endif
+      if (pair_order) {
+        int8_t k_order[kBlock];
+        std::memcpy(k_order, q, kBlock);
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+      }
+      if (offset)
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
+    }
+  });
+  return r;
+}
+
+}  // namespace quant
+#endif
