@@ -151,11 +151,13 @@ def bench(url: str, shape: str, tokenizer: str, out: Path) -> dict:
         [sys.executable, "-m", "app.cli", "bench", "serve", "--base-url", url,
          "--tokenizer", tokenizer, "--num-prompts", str(prompts), "--input-len", str(n_in),
          "--output-len", str(n_out), "--max-concurrency", str(conc), "--ignore-eos",
-         "--num-warmups", "1", "--no-plots", "--save-result", "--result-dir", str(out),
+         "--num-warmups", "1", "--ready-check-timeout-sec", "120",  # retry a first failure
+         "--no-plots", "--save-result", "--result-dir", str(out),
          "--result-filename", "result.json", "--seed", str(list(SHAPES).index(shape))],
         cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:  # the client's own words, not only its exit status
-        sys.exit(f"bench serve failed on {url} ({shape}):\n{run.stderr[-3000:]}")
+        sys.exit(f"bench serve failed on {url} ({shape}):\n"
+                 f"{run.stdout[-2000:]}{run.stderr[-3000:]}")
     return json.loads((out / "result.json").read_text())
 
 

@@ -124,8 +124,8 @@ def describe(capabilities: CpuCapabilities) -> str:
 def resolve(use_kernels: bool = True, int8_batches: bool = False) -> CpuCapabilities:
     """This host's capabilities: with the C++ kernels built and loaded when `use_kernels`
     (the `auto` attention backend), else without them (plain torch and oneDNN), under
-    the instruction-set cap of `RIDGELINE_CPU_ISA` (`gpu/cpu/isa.py`); prompts' x in
-    int8 where `int8_batches` asks and the CPU has int8 kernels and no AMX."""
+    the instruction-set cap of `RIDGELINE_CPU_ISA` (`gpu/cpu/isa.py`); x in int8 in
+    calls of many rows where `int8_batches` asks and the CPU has int8 kernels and no AMX."""
     isa.apply()
     if not use_kernels:
         return CpuCapabilities.of(None)

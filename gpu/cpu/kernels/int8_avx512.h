@@ -45,7 +45,7 @@ inline __m512i gather_group(const uint8_t* rows, __m512i index) {
 }
 
 // A tile's sums so far: zero where its span of blocks starts them, else what `out` holds
-// (quant_linear_int8.cpp `Int8Span`).
+// (int8_rows.h `Int8Span`).
 template <typename Span>
 inline __m512 sums_so_far(const Span& x, const float* out, __mmask16 mask) {
   return x.first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out);
@@ -127,9 +127,9 @@ inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0,
         for (int t = 0; t < T; ++t)
           dot[t] = _mm512_dpbusd_epi32(dot[t], broadcast4(xq + t * kBlock + 4 * j), lv);
       }
-      const __m512 scale = _mm512_load_ps(f + 16 * h);
+      const __m512 scale = _mm512_load_ps(f + 16 * h), offset = _mm512_load_ps(f + 32);
       for (int t = 0; t < T; ++t)
-        part[t] = h == 0 ? _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[t]), scale, _mm512_load_ps(f + 32))
+        part[t] = h == 0 ? _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[t]), scale, offset)
                          : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, part[t]);
     }
     for (int t = 0; t < T; ++t)

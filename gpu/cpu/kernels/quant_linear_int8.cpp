@@ -22,14 +22,15 @@
 // kernel beside the exact one and oneDNN.
 //
 // How: per panel half (16 outputs, a vector of 16 int32 lanes), span of blocks and tile
-// of up to kTile rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per output from the
-// panel layout (quant_blocks.h: a k's 32 outputs are contiguous) into [output][4 k], and
-// each row's 4 x bytes are broadcast to every lane. Q4_1's byte holds k and k + 16, so
-// one gather serves two groups (low and high nibbles, both unsigned levels 0-15 as
-// vpdpbusd's unsigned operand). Q8_0's levels are signed, so there x is made unsigned
-// (q_x + 128) and 128 * sum(q_w), counted per block with the same instruction, is taken
-// off again. Per block and row the int32 sums are converted and scaled once. AVX2 (no
-// VNNI, no byte permutes across lanes) does the same in its own way: int8_avx2.h.
+// of up to kTile rows, each group of 4 k: one vpermt2b gathers the group's 4 bytes per
+// output from the panel layout (quant_blocks.h: a k's 32 outputs are contiguous) into
+// [output][4 k], and each row's 4 x bytes are broadcast to every lane. Q4_1's byte holds
+// k and k + 16, so one gather serves two groups (low and high nibbles, both unsigned
+// levels 0-15 as vpdpbusd's unsigned operand). Q8_0's levels are signed, so there x is
+// made unsigned (q_x + 128) and 128 * sum(q_w), counted per block with the same
+// instruction, is taken off again. Per block and row the int32 sums are converted and
+// scaled once. AVX2 (no VNNI, no byte permutes across lanes) does the same in its own
+// way: int8_avx2.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
