@@ -23,9 +23,9 @@
 // layer's input and post-attention norm weights, then the final norm's; per linear
 // (layer by layer: qkv, o, gate_up, down) its parts' count, and per part its format and
 // N; per route (the AVX512-BF16 dot-product kernel, the blocks' exact kernel, AMX, the
-// int8 kernel: gpu/cpu/routing.py picks it by format and rows) each part's kArgs tensors as
-// gpu/cpu/linear.py's PackedLinear binds them for that route's kernel (empty tensors
-// where the part has none). Per step: x [T, hidden] the embeddings (becomes the residual
+// int8 kernel: gpu/cpu/routing.py picks it by format and rows) each part's kArgs
+// tensors as gpu/cpu/linear.py's PackedLinear binds them for that route's kernel (empty
+// tensors where the part has none). Per step: x [T, hidden] the embeddings (becomes the residual
 // stream, updated in place, as in the module path), each format's route, cos and sin,
 // the pools and the attention metadata as paged_decode takes them; where the step's
 // rows share a prefix of blocks (gpu/attention/shared_prefix.py), its pieces: those rows

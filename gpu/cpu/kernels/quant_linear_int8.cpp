@@ -1,7 +1,7 @@
 // x @ W.T on CPU from GGUF blocks (Q4_1, Q8_0, Q8_16: int8_avx512.h, int8_avx2.h) with x
 // quantized to int8, for AVX512-VNNI CPUs and, through int8_avx2.h, AVX2 ones: a bf16
-// model's prompt calls on CPUs without AMX
-// (`--int8-batches`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
+// model's calls of many rows on CPUs without AMX (prompts, decode steps of many users:
+// `--int8-batches`, gpu/cpu/routing.py), every call with `--int8-activations`. x is
 // float32 or bf16 (widened exactly; the sums then rounded to bf16 once, as the exact
 // kernels do); a Q4_1 layer's levels come as panels or, where the layer holds them so, as
 // the bf16 dot kernel's pairs (int8_pairs.h).
@@ -43,8 +43,8 @@
 #include <memory>
 #include <vector>
 
-#include "int8_avx512.h"
 #include "entry_points.h"
+#include "int8_avx512.h"
 #include "int8_pairs.h"
 #include "int8_rows.h"
 #include "q8_16_blocks.h"
