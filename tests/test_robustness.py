@@ -173,7 +173,9 @@ def test_stop_matcher_is_linear_in_the_stop_length():
     elapsed = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < 64 << 20 and elapsed < 5.0
+    # The bound tells linear from quadratic (the naive matcher never finishes), with room
+    # for a loaded two-core host: tracemalloc slows every allocation several-fold.
+    assert peak < 64 << 20 and elapsed < 30.0
     assert all(text == "" and not hit for text, hit in out)  # all held: it may still match
 
 
