@@ -152,12 +152,11 @@ using avx2::tile_q4_1;
 using avx2::tile_q8_0;
 #endif
 
-// Rows in chunks of kChunkBytes of levels (K bytes a row; at most kRowChunk rows), each
-// parallel over panels, the chunk's rows in tiles of equal size, at most kMaxRows (what
-// the tile's registers hold). Chunking keeps the rows' levels in L2 beside the panel
-// while every tile of the panel reads them: unchunked, a long prefill's levels
-// (megabytes in all) would come from L3 once per panel half.
-constexpr int64_t kRowChunk = 256, kChunkBytes = 512 * 1024;
+// Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
+// tiles of equal size, at most kMaxRows (what the tile's registers hold). Chunking keeps
+// the rows' levels (K bytes a row) in L2 while every panel reads them: unchunked, a long
+// prefill's levels (megabytes in all) would come from L3 once per panel half.
+constexpr int64_t kRowChunk = 256;
 #ifdef RIDGELINE_INT8_AVX512
 // And per panel, its blocks in spans of kSpanBlocks (1024 k), each span's half panel
 // read by every row tile in turn: a few KB (Q4_1's pairs; a Q8_16's unpacked ~22 KB) that
@@ -176,9 +175,8 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
                  Panel&& panel = {}) {
   const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
-  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / w.K, kMaxRows, kRowChunk);
-  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-    const int64_t rows = std::min(chunk, M - c0),
+  for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, M - c0),
                   tiles = (rows + kMaxRows - 1) / kMaxRows,
                   tile_rows = (rows + tiles - 1) / tiles;
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
