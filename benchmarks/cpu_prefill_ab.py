@@ -1,5 +1,6 @@
 """Paired A/B of one layer's paged prefill attention on CPU: the C++ FMA kernel
-(`paged_prefill_`), the AMX kernel (`paged_prefill_amx_`, bf16 only, where built) and a
+(`paged_prefill_`), the bf16 kernels (`paged_prefill_amx_` on the tile unit and
+`paged_prefill_bf16_` by AVX512-BF16 dot products, bf16 only, each where built) and a
 block gather plus torch's SDPA (the torch path's cost), in one process, interleaved.
 
     python benchmarks/cpu_prefill_ab.py [--threads 2] [--reps 7] [--shapes 15,64,832 ..]
@@ -10,8 +11,8 @@ the context, the rest a cached prefix (15,64,832: the chat load's wave, 64 new t
 after a 768-token shared prefix). SmolLM2-135M's heads (9 query, 3 KV, dim 64), pool
 blocks of 16 shuffled as a scheduler leaves them. Each round times every variant (the
 order rotated each round), each sample the median of `--calls` calls; reports the
-medians, the per-round ratios to the FMA kernel (and SDPA's to the AMX kernel), and the
-host's CPU and ISA.
+medians, the per-round ratios to the FMA kernel (and SDPA's to each bf16 kernel), and
+the host's CPU and ISA.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def variants(kernels, dtype: torch.dtype, seqs: int, new: int, context: int):
         return o.transpose(1, 2).reshape(seqs * new, HEADS, HEAD_DIM)
 
     calls = {"fma": kernel(kernels.paged_prefill_)}
-    if dtype == torch.bfloat16 and hasattr(kernels.namespace, "paged_prefill_amx_"):
-        calls["amx"] = kernel(kernels.paged_prefill_amx_)
+    for name, op in (("amx", "paged_prefill_amx_"), ("dot", "paged_prefill_bf16_")):
+        if dtype == torch.bfloat16 and hasattr(kernels.namespace, op):
+            calls[name] = kernel(getattr(kernels, op))
     calls["sdpa"] = sdpa
     return calls
 
@@ -113,14 +115,15 @@ def main() -> None:
             # Median of the per-round ratios: each pair ran back to back.
             row[f"fma_over_{v}"] = statistics.median(
                 f / x for f, x in zip(ms["fma"], ms[v], strict=True))
-        if "amx" in ms:
-            row["sdpa_over_amx"] = statistics.median(
-                x / y for x, y in zip(ms["sdpa"], ms["amx"], strict=True))
+        bf16 = [v for v in ("amx", "dot") if v in ms]
+        for v in bf16:
+            row[f"sdpa_over_{v}"] = statistics.median(
+                x / y for x, y in zip(ms["sdpa"], ms[v], strict=True))
         rows.append(row)
         print(f"{a.dtype} threads={a.threads} {shape}: " + ", ".join(
             f"{v} {row[f'{v}_ms']:.2f} ms" for v in names) + " | " + ", ".join(
             f"fma/{v} {row[f'fma_over_{v}']:.2f}" for v in names[1:])
-            + (f", sdpa/amx {row['sdpa_over_amx']:.2f}" if "amx" in ms else ""), flush=True)
+            + "".join(f", sdpa/{v} {row[f'sdpa_over_{v}']:.2f}" for v in bf16), flush=True)
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"host": describe(), "rows": rows}, indent=1))

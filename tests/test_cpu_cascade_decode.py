@@ -9,7 +9,7 @@ not (untouched by the call), own keys from one to several blocks past the prefix
 prefixes of an odd number of blocks (not a multiple of the tile's 32 keys), GQA groups of
 1, 3 and 8, head_dim 64 and 128, block sizes 16 and 32, shuffled pages and NaN in every
 slot no row may read. The kernel rounds p to bf16 before p·v on the prefix, as the AMX
-prefill kernel does, so the tolerance is that of tests/test_cpu_prefill_amx.py.
+prefill kernel does, so the tolerance is that of tests/test_cpu_prefill_bf16.py.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ prefill rows (several new tokens).
 - Prefill rows: with the C++ kernels, one call reads the pool in place too
   (`paged_prefill.cpp`): after a cached prefix the new tokens are few and the keys many,
   and the gather and masked SDPA below copy every cached key and value of the group once
-  per layer (`benchmarks/cpu_decode_ab.py` times both paths); a bf16 model on a CPU with
-  AMX takes `paged_prefill_amx.cpp`, the same call with the products on the tile unit
-  (`benchmarks/cpu_prefill_ab.py`). Otherwise
+  per layer (`benchmarks/cpu_decode_ab.py` times both paths); a bf16 model takes
+  `paged_prefill_bf16.cpp`, the same call with bf16 products: on the tile unit where the
+  CPU has AMX, else by AVX512-BF16 dot products (`benchmarks/cpu_prefill_ab.py`). Otherwise
   scaled_dot_product_attention with a mask that is causal within the new tokens and
   hides the padding.
 Index and mask tensors are built once per step in `prepare()`; a sliding window's
@@ -114,9 +114,15 @@ class TorchAttentionBackend(AttentionBackend):
         # RoPE joined to the KV store in one C++ pass per token (rotary_kv_store.cpp).
         self.fuses_rotary = capabilities.has("rotary_kv_store_")
         self.prefills_in_place = capabilities.has("paged_prefill_")
-        # bf16 prefill on the tile unit where the CPU has AMX (paged_prefill_amx.cpp).
-        self.prefills_on_amx = (capabilities.amx and capabilities.has("paged_prefill_amx_")
-                                and head_dim % 32 == 0)
+        # A bf16 model's prefill with bf16 products (paged_prefill_bf16.cpp): on the tile
+        # unit where the CPU has AMX, else by AVX512-BF16 dot products; None: fp32 FMAs.
+        self.bf16_prefill = None
+        if self.kernels is not None and head_dim % 32 == 0:
+            for op, usable in (("paged_prefill_amx_", capabilities.amx),
+                               ("paged_prefill_bf16_", True)):
+                if usable and capabilities.has(op):
+                    self.bf16_prefill = getattr(self.kernels, op)
+                    break
         # bf16 decode rows sharing a prefix of blocks: cascade attention on the tile unit.
         self.cascade_built = (capabilities.amx and capabilities.has("cascade_decode_amx_")
                               and head_dim % 32 == 0)
@@ -252,8 +258,9 @@ class TorchAttentionBackend(AttentionBackend):
                                  g, sliding_window)
             elif self.prefills_in_place and q.dtype in self.KERNEL_DTYPES:
                 # Reads the pool in place and writes the group's rows of `out` itself.
-                amx = self.prefills_on_amx and q.dtype == k_cache.dtype == torch.bfloat16
-                (self.kernels.paged_prefill_amx_ if amx else self.kernels.paged_prefill_)(
+                bf16 = self.bf16_prefill is not None \
+                    and q.dtype == k_cache.dtype == torch.bfloat16
+                (self.bf16_prefill if bf16 else self.kernels.paged_prefill_)(
                     out, q, k_cache, v_cache, g.block_tables, g.query_starts, g.query_lens,
                     g.context_lens, self.block_size, self.scale, sliding_window or 0)
                 continue

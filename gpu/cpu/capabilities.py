@@ -28,7 +28,8 @@ WIDTH_BY_ISA = {isa: width for width, isa in ISA_BY_WIDTH.items()}
 
 # The library's ops (`torch.ops.ridgeline_cpu`), as its TORCH_LIBRARY blocks register them.
 OPS = (
-    "paged_decode", "paged_prefill_", "paged_prefill_amx_", "cascade_decode_amx_",
+    "paged_decode", "paged_prefill_", "paged_prefill_amx_", "paged_prefill_bf16_",
+    "cascade_decode_amx_",
     "rotary_kv_store_",
     "rms_norm", "add_rms_norm_", "silu_and_mul",
     "q4_1_linear", "q8_0_linear", "q8_16_linear", "q4_1_linear_int8", "q8_0_linear_int8",

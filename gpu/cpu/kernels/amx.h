@@ -1,4 +1,4 @@
-// What the AMX kernels share (quant_linear_amx.cpp, paged_prefill_amx.cpp): Linux's
+// What the AMX kernels share (quant_linear_amx.cpp, paged_prefill_bf16.cpp): Linux's
 // permission to use the tile state, and the tile configuration record.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The checks both paged prefill kernels (paged_prefill.cpp, paged_prefill_amx.cpp) make
+// The checks both paged prefill kernels (paged_prefill.cpp, paged_prefill_bf16.cpp) make
 // of their arguments: one interface, so one set of messages.
 #pragma once
 

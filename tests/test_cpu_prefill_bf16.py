@@ -1,5 +1,7 @@
-"""The AMX paged prefill kernel (`paged_prefill_amx_`) against a plain torch reference
-and against the FMA kernel (`paged_prefill_`), and the backend's choice between them.
+"""The bf16 paged prefill kernels (`paged_prefill_amx_` on the tile unit,
+`paged_prefill_bf16_` by AVX512-BF16 dot products; each where this host builds it)
+against a plain torch reference and against the FMA kernel (`paged_prefill_`), and the
+backend's choice between them.
 
 Steps mix what a scheduler hands the kernel: several sequences with different cached
 prefixes and new-token counts (one token, a few, more than one tile of rows), contexts
@@ -24,10 +26,13 @@ from gpu.cpu.kernels.build import cpu_kernels
 
 KERNELS = cpu_kernels() if not torch.cuda.is_available() else None
 CAPS = CpuCapabilities.of(KERNELS)
-needs_amx = pytest.mark.skipif(
-    not (CAPS.amx and CAPS.has("paged_prefill_amx_")),
-    reason="needs the C++ kernels built with AMX-BF16 and Linux's grant of the tile state "
-           "(an AVX2 or AVX-512-only CPU, e.g. Zen 3 or Zen 4, keeps the FMA kernel)")
+# The bf16 kernels this host runs: the tile unit's where the CPU has AMX, the dot
+# products' where it has AVX512-BF16 (an AMX CPU has both; an AVX2 CPU neither).
+BF16_OPS = [op for op, usable in (("paged_prefill_amx_", CAPS.amx), ("paged_prefill_bf16_", True))
+            if usable and CAPS.has(op)]
+each_bf16_op = pytest.mark.parametrize("op", BF16_OPS or [pytest.param(
+    None, marks=pytest.mark.skip(reason="needs the C++ kernels built with AVX512-BF16 or "
+                                        "AMX-BF16 (an AVX2 CPU keeps the FMA kernel)"))])
 ATOL = RTOL = 2e-2
 
 
@@ -95,28 +100,28 @@ STEPS = [  # prefix lens, query lens, block size, kv heads, group, head_dim, win
 ]
 
 
-@needs_amx
+@each_bf16_op
 @pytest.mark.parametrize("step", STEPS, ids=lambda s: f"{s[1]}-bs{s[2]}-g{s[4]}-d{s[5]}-w{s[6]}")
-def test_amx_prefill_matches_the_reference_and_the_fma_kernel(step) -> None:
+def test_bf16_prefill_matches_the_reference_and_the_fma_kernel(op, step) -> None:
     prefix, qlens, block_size, kv_heads, group, head_dim, window = step
     q, k_pool, v_pool, meta = make_step(prefix, qlens, block_size, kv_heads, group, head_dim)
-    amx = run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, block_size, window)
+    bf16 = run(getattr(KERNELS, op), q, k_pool, v_pool, meta, block_size, window)
     fma = run(KERNELS.paged_prefill_, q, k_pool, v_pool, meta, block_size, window)
     ref = reference(q, k_pool, v_pool, meta, block_size, window)
     rows = sum(qlens)
-    torch.testing.assert_close(amx[:rows].float(), ref[:rows], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(amx[:rows], fma[:rows], atol=ATOL, rtol=RTOL)
-    assert (amx[rows:] == 7.0).all()
+    torch.testing.assert_close(bf16[:rows].float(), ref[:rows], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(bf16[:rows], fma[:rows], atol=ATOL, rtol=RTOL)
+    assert (bf16[rows:] == 7.0).all()
 
 
-@needs_amx
-def test_amx_prefill_reads_no_key_outside_its_context_or_window() -> None:
+@each_bf16_op
+def test_bf16_prefill_reads_no_key_outside_its_context_or_window(op) -> None:
     """NaN in the rest of a sequence's last block, in other requests' blocks and in
     blocks wholly before the window must not reach the result."""
     block_size, window = 16, 20
     q, k_pool, v_pool, meta = make_step([40, 0], [9, 21], block_size, 3, 3, 64, spare=0)
     args = (block_size, window)
-    clean = run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, *args)
+    clean = run(getattr(KERNELS, op), q, k_pool, v_pool, meta, *args)
     tables, _, _, lens = meta
     # Sequence 0: keys 0..48, its first new token (position 40) sees keys from 21 on, so
     # block 0 is out of every row's window. Sequence 1: keys 0..20, its block 1 ends at 20.
@@ -130,32 +135,37 @@ def test_amx_prefill_reads_no_key_outside_its_context_or_window() -> None:
                 for b in tables[s, :-(-n // block_size)]}
         for b in set(range(pool.shape[1] // block_size)) - used:
             pool[:, b * block_size:(b + 1) * block_size] = float("nan")
-    poisoned = run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, *args)
+    poisoned = run(getattr(KERNELS, op), q, k_pool, v_pool, meta, *args)
     assert torch.equal(poisoned, clean) and not clean.isnan().any()
 
 
-@needs_amx
+@each_bf16_op
 @pytest.mark.parametrize("dtype,head_dim,match", [(torch.float32, 64, "bfloat16"),
                                                   (torch.bfloat16, 48, "multiple of 32")])
-def test_amx_prefill_rejects_what_it_does_not_take(dtype, head_dim, match) -> None:
+def test_bf16_prefill_rejects_what_it_does_not_take(op, dtype, head_dim, match) -> None:
     q, k_pool, v_pool, meta = make_step([0], [4], 16, 1, 1, head_dim)
     q, k_pool, v_pool = q.to(dtype), k_pool.to(dtype), v_pool.to(dtype)
     with pytest.raises(RuntimeError, match=match):
-        run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, 16, 0)
+        run(getattr(KERNELS, op), q, k_pool, v_pool, meta, 16, 0)
 
 
-@pytest.mark.parametrize("amx,dtype,head_dim,expected", [
-    (True, torch.bfloat16, 64, "paged_prefill_amx_"),
-    (True, torch.float32, 64, "paged_prefill_"),
-    (True, torch.bfloat16, 48, "paged_prefill_"),
-    (False, torch.bfloat16, 64, "paged_prefill_"),
+AMX_AND_DOT = ("paged_decode", "paged_prefill_", "paged_prefill_amx_", "paged_prefill_bf16_")
+
+
+@pytest.mark.parametrize("amx,ops,dtype,head_dim,expected", [
+    (True, AMX_AND_DOT, torch.bfloat16, 64, "paged_prefill_amx_"),
+    (True, AMX_AND_DOT, torch.float32, 64, "paged_prefill_"),
+    (True, AMX_AND_DOT, torch.bfloat16, 48, "paged_prefill_"),
+    (False, AMX_AND_DOT, torch.bfloat16, 64, "paged_prefill_bf16_"),  # AMX not granted
+    (False, AMX_AND_DOT[:2] + AMX_AND_DOT[3:], torch.bfloat16, 64, "paged_prefill_bf16_"),
+    (False, AMX_AND_DOT[:2] + AMX_AND_DOT[3:], torch.float32, 64, "paged_prefill_"),
+    (False, AMX_AND_DOT[:2], torch.bfloat16, 64, "paged_prefill_"),  # AVX2: neither
 ])
-def test_backend_prefills_bf16_on_amx_only_where_the_cpu_has_it(amx, dtype, head_dim,
-                                                                 expected) -> None:
+def test_backend_prefills_bf16_with_the_cpus_bf16_products(amx, ops, dtype, head_dim,
+                                                            expected) -> None:
     """Which prefill kernel runs is decided from the capabilities alone (a recording
     stand-in for the library, so this runs on any host)."""
     calls = []
-    ops = ("paged_decode", "paged_prefill_", "paged_prefill_amx_")
 
     def recorder(name):
         return lambda *args: calls.append(name)
@@ -174,9 +184,9 @@ def test_backend_prefills_bf16_on_amx_only_where_the_cpu_has_it(amx, dtype, head
     assert calls == [expected]
 
 
-@needs_amx
+@each_bf16_op
 @pytest.mark.parametrize("window", [0, 100])
-def test_amx_prefill_splits_a_long_prompt_into_runs_for_the_threads(window) -> None:
+def test_bf16_prefill_splits_a_long_prompt_into_runs_for_the_threads(op, window) -> None:
     """With few sequences for the threads, a sequence's tiles are split into runs that
     each pack the keys they see: the result must not depend on the thread count."""
     q, k_pool, v_pool, meta = make_step([300], [400], 16, 3, 3, 64)
@@ -185,7 +195,7 @@ def test_amx_prefill_splits_a_long_prompt_into_runs_for_the_threads(window) -> N
         outs = []
         for n in (1, 8):  # one run; then several (4 x 8 threads over 3 units)
             torch.set_num_threads(n)
-            outs.append(run(KERNELS.paged_prefill_amx_, q, k_pool, v_pool, meta, 16, window))
+            outs.append(run(getattr(KERNELS, op), q, k_pool, v_pool, meta, 16, window))
     finally:
         torch.set_num_threads(threads)
     ref = reference(q, k_pool, v_pool, meta, 16, window)

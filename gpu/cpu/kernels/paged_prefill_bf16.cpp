@@ -1,12 +1,15 @@
-// Paged prefill attention for a bf16 model on AMX: paged_prefill.cpp's interface and
-// result (the new tokens attend to their cached prefix and, causally, to themselves,
-// read from the head-major pool), with q·k and p·v done by the tile unit: bf16
-// products summed in fp32, as torch's own bf16 attention sums them.
+// Paged prefill attention for a bf16 model with bf16 products: paged_prefill.cpp's
+// interface and result (the new tokens attend to their cached prefix and, causally, to
+// themselves, read from the head-major pool), with q·k and p·v as bf16 products summed
+// in fp32, as torch's own bf16 attention sums them: on the AMX tile unit
+// (`paged_prefill_amx_`) or, on CPUs with AVX512-BF16 but no tile unit, by vdpbf16ps dot
+// products (`paged_prefill_bf16_`).
 //
-// Why: paged_prefill.cpp computes the scores and p·v with fp32 vector FMAs. After a
-// long cached prefix (a chat's system prompt) most of a prefill step is those two
-// products, and the tile unit multiplies bf16 several times faster than fp32 FMAs
-// (benchmarks/cpu_prefill_ab.py times both kernels and torch's SDPA).
+// Why: paged_prefill.cpp computes the scores and p·v with fp32 vector FMAs. In a long
+// prompt, and after a long cached prefix (a chat's system prompt), most of a prefill
+// step's attention is those two products, and the tile unit multiplies bf16 several
+// times faster than fp32 FMAs, vdpbf16ps twice as many a instruction
+// (benchmarks/cpu_prefill_ab.py times the kernels and torch's SDPA).
 //
 // Work unit: (sequence, KV head, a run of consecutive tiles of its new tokens):
 //   1. the keys the run sees, [first, n), packed into the tile unit's B layout, which
@@ -25,10 +28,12 @@
 // The whole row of scores is kept (no running softmax): a tile's rows x its keys in
 // fp32 and bf16, and the packed keys, in per-thread buffers kept between calls.
 //
-// The tile configuration, packing, matmuls and row softmax are amx_attention.h's.
+// The packing and row softmax are bf16_attention.h's, the products its `dot_matmul` or
+// amx_attention.h's tile matmuls.
 //
 // Layout and limits: those of paged_prefill_ (q, out and the pools bf16), and D a
-// multiple of 32 (a row of an A tile). Registered only where AMX is compiled in.
+// multiple of 32 (a row of an A tile). Registered only where AVX512-BF16 (the dot
+// products) or AMX (the tiles) is compiled in.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,23 +43,59 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "amx_attention.h"
+#include "bf16_attention.h"
 #include "prefill_args.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {
 
 constexpr int64_t kMaxRows = 64;  // query rows a work unit aims for (tokens x G)
 
-using namespace amx_attention;
+using namespace bf16_attention;
 
-void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& query_starts,
-                 const at::Tensor& query_lens, const at::Tensor& context_lens,
-                 int64_t block_size, double scale, int64_t window, at::Tensor& out) {
+// The two products by vdpbf16ps (bf16_attention.h).
+struct DotProducts {
+  static void begin() {}
+  static void end() {}
+  static void qk(const uint16_t* qa, int64_t D, const uint32_t* kt, int64_t L, int64_t M,
+                 int64_t W, float* s) {
+    dot_matmul(qa, D, kt, L, M, W, D, s, W);
+  }
+  static void pv(const uint16_t* p, int64_t W, const uint32_t* vp, int64_t D, int64_t M,
+                 float* o) {
+    dot_matmul(p, W, vp, D, M, D, W, o, D);
+  }
+};
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The two products on the tile unit (amx_attention.h), which each thread configures.
+struct TileProducts {
+  static void begin() { amx_attention::configure(); }
+  static void end() { _tile_release(); }
+  static void qk(const uint16_t* qa, int64_t D, const uint32_t* kt, int64_t L, int64_t M,
+                 int64_t W, float* s) {
+    if (D == 2 * kChunk || D == 4 * kChunk)
+      amx_attention::matmul_held_b(qa, D, kt, L, M, W, D, s, W);
+    else
+      amx_attention::matmul(qa, D, kt, L, M, W, D, s, W);
+  }
+  static void pv(const uint16_t* p, int64_t W, const uint32_t* vp, int64_t D, int64_t M,
+                 float* o) {
+    amx_attention::matmul(p, W, vp, D, M, D, W, o, D);
+  }
+};
+#endif
+
+template <typename Products>
+void prefill_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& query_starts,
+                  const at::Tensor& query_lens, const at::Tensor& context_lens,
+                  int64_t block_size, double scale, int64_t window, at::Tensor& out) {
   const int64_t S = query_starts.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), num_slots = k_cache.size(1), G = H / KVH;
   const int32_t* starts = query_starts.const_data_ptr<int32_t>();
@@ -94,7 +135,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   }
   const int64_t max_rows = (most * G + kTile - 1) / kTile * kTile;
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    configure();
+    Products::begin();
     // Per thread, kept between calls: a call's buffers are then not fresh pages.
     thread_local std::vector<uint16_t> qa, p, packed;
     thread_local std::vector<float> s, o, sums;
@@ -132,10 +173,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             std::fill(dst, dst + D, uint16_t{0});
           }
         }
-        if (D == 2 * kChunk || D == 4 * kChunk)
-          matmul_held_b(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
-        else
-          matmul(qa.data(), D, kt + ks, L, M, W, D, s.data(), W);
+        Products::qk(qa.data(), D, kt + ks, L, M, W, s.data());
         for (int64_t r = 0; r < M; ++r) {
           uint16_t* pr = p.data() + r * W;
           if (r >= rows) {
@@ -146,8 +184,8 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           sums[r] = softmax_row(s.data() + r * W, W, first_seen(pos) - first - ks,
                                 pos + 1 - first - ks, static_cast<float>(scale), pr);
         }
-        matmul(p.data(), W, reinterpret_cast<const uint32_t*>(vp) + ks / 2 * D, D, M, D, W,
-               o.data(), D);
+        Products::pv(p.data(), W, reinterpret_cast<const uint32_t*>(vp) + ks / 2 * D, D, M,
+                     o.data());
         for (int64_t r = 0; r < rows; ++r) {
           c10::BFloat16* dst = out_ptr + (starts[b] + t.i0 + r / G) * out.stride(0) +
                                (h * G + r % G) * out.stride(1);
@@ -157,33 +195,61 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         }
       }
     }
-    _tile_release();
+    Products::end();
   });
 }
 
-void paged_prefill_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& query_starts, const at::Tensor& query_lens,
-                        const at::Tensor& context_lens, int64_t block_size, double scale,
-                        int64_t window) {
-  const char* op = "paged_prefill_amx_";
-  TORCH_CHECK(amx::permitted(), op, ": Linux refused this process the AMX state");
+// The checks both ops make, then the kernel with `Products`.
+template <typename Products>
+void paged_prefill_with(const char* op, at::Tensor& out, const at::Tensor& q,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& query_starts,
+                        const at::Tensor& query_lens, const at::Tensor& context_lens,
+                        int64_t block_size, double scale, int64_t window) {
   paged::check_prefill_args(out, q, k_cache, v_cache, block_tables, query_starts, query_lens,
                             context_lens, block_size);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, op,
               ": q and the pools must be bfloat16");
   TORCH_CHECK(q.size(2) % kChunk == 0, op, ": head_dim must be a multiple of 32, got ",
               q.size(2));
-  prefill_amx(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
-              block_size, scale, window, out);
+  prefill_bf16<Products>(q, k_cache, v_cache, block_tables, query_starts, query_lens,
+                         context_lens, block_size, scale, window, out);
 }
+
+void paged_prefill_bf16_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& query_starts, const at::Tensor& query_lens,
+                         const at::Tensor& context_lens, int64_t block_size, double scale,
+                         int64_t window) {
+  paged_prefill_with<DotProducts>("paged_prefill_bf16_", out, q, k_cache, v_cache,
+                                  block_tables, query_starts, query_lens, context_lens,
+                                  block_size, scale, window);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+void paged_prefill_amx_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& query_starts, const at::Tensor& query_lens,
+                        const at::Tensor& context_lens, int64_t block_size, double scale,
+                        int64_t window) {
+  TORCH_CHECK(amx::permitted(), "paged_prefill_amx_: Linux refused this process the AMX state");
+  paged_prefill_with<TileProducts>("paged_prefill_amx_", out, q, k_cache, v_cache,
+                                   block_tables, query_starts, query_lens, context_lens,
+                                   block_size, scale, window);
+}
+#endif
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
-  m.def("paged_prefill_amx_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor query_starts, Tensor query_lens, Tensor context_lens, "
-        "int block_size, float scale, int window) -> ()");
+  const char* args = "(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+                     "Tensor block_tables, Tensor query_starts, Tensor query_lens, "
+                     "Tensor context_lens, int block_size, float scale, int window) -> ()";
+  m.def((std::string("paged_prefill_bf16_") + args).c_str());
+  m.impl("paged_prefill_bf16_", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_bf16_));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.def((std::string("paged_prefill_amx_") + args).c_str());
   m.impl("paged_prefill_amx_", c10::DispatchKey::CPU, TORCH_FN(paged_prefill_amx_));
+#endif
 }
 #endif
