@@ -36,17 +36,20 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def quantize_x(x: torch.Tensor):
-    """Levels, scales and exact sums per block of 32, as the kernel computes them."""
+def quantize_x(x: torch.Tensor, group: int = 1):
+    """Levels, scales (each block's: that of its group of `group` blocks) and exact sums
+    per block of 32, as the kernel computes them."""
     blocks = x.reshape(x.shape[0], -1, BLOCK)
-    d = blocks.abs().amax(-1) / 127
+    groups = x.reshape(x.shape[0], -1, group * BLOCK)
+    d = (groups.abs().amax(-1) / 127).repeat_interleave(group, -1)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return torch.round(blocks * inv[..., None]), d, blocks.sum(-1)
 
 
-def reference(x, levels: torch.Tensor, scales, mins=None) -> torch.Tensor:
-    """float64: d_w * d_x * sum(q_w q_x) [+ m_w * sum(x)] per block, summed over blocks."""
-    q, d, sums = (t.double() for t in quantize_x(x))
+def reference(x, levels: torch.Tensor, scales, mins=None, group: int = 1) -> torch.Tensor:
+    """float64: d_w * d_x * sum(q_w q_x) [+ m_w * sum(x)] per block, summed over blocks;
+    x's scale per `group` blocks."""
+    q, d, sums = (t.double() for t in quantize_x(x, group))
     n = levels.shape[0]
     dots = torch.einsum("mbk,nbk->mnb", q, levels.double().view(n, -1, BLOCK))
     out = dots * d[:, None, :] * scales.double()[None]
@@ -128,7 +131,9 @@ def test_int8_takes_bf16_x_and_gives_bf16(m) -> None:
 def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
     """A bf16 Q4_K layer where the dot kernel is holds its levels as that kernel's pairs
     with the file's scale codes (`q4_1_pairs.h`): the int8 kernel reads them (x's levels
-    in the pairs' order, `int8_pairs.h`) to the same bits as the panels."""
+    in the pairs' order, `int8_pairs.h`) with float32 scales to the same bits as the
+    panels, and with the codes as the reference of x scaled per super-block of 256 k
+    where the kernel does so (AVX-512: `int8_q4_k_x_blocks`, as llama.cpp's Q8_K)."""
     from tests.test_cpu_q4_k_codes import read_q4_k
 
     n = 72
@@ -136,11 +141,23 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
     x = torch.randn(m, k).to(dtype)
     want = KERNELS.q4_1_linear_int8(x, *blocks.tensors, n)
     assert torch.equal(KERNELS.q4_1_linear_int8(x, blocks.dot, *blocks.tensors[1:], n), want)
-    assert torch.equal(KERNELS.q4_1_linear_int8(x, blocks.dot, *blocks.codes, n), want)
+    coded = KERNELS.q4_1_linear_int8(x, blocks.dot, *blocks.codes, n)
     levels = q4_1_levels(blocks.tensors[0].permute(0, 3, 1, 2).reshape(-1, k // 2)[:n])
     scales, mins = (t.permute(0, 2, 1).reshape(-1, k // BLOCK)[:n] for t in blocks.tensors[1:])
     wide = KERNELS.q4_1_linear_int8(x.float(), *blocks.tensors, n)  # bf16: its rounding
     assert_matches(wide, reference(x.float(), levels, scales, mins))
+    group = KERNELS.int8_q4_k_x_blocks()
+    if group == 1:
+        assert torch.equal(coded, want)
+        return
+    assert group == 8
+    wide_coded = KERNELS.q4_1_linear_int8(x.float(), blocks.dot, *blocks.codes, n)
+    assert torch.equal(coded, wide_coded.to(dtype))
+    assert_matches(wide_coded, reference(x.float(), levels, scales, mins, group))
+    exact = x.double() @ (levels.double().view(n, -1, BLOCK) * scales.double()[..., None]
+                          + mins.double()[..., None]).view(n, k).T
+    err = ((wide_coded - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-5 < err < 3e-2  # x's rounding per 256 k moves it, within bounds
 
 
 @needs_int8

@@ -207,7 +207,7 @@ def test_fused_decode_takes_the_int8_rows_bit_for_bit(mixed):
     model = tiny_model(mixed=mixed, caps=caps)
     call = LayerCall.of(model, CAPS.op("decode_layers_bf16"))
     assert call.route(INT8_MIN_ROWS) == [3, 3 if mixed else 0]
-    assert call.route(INT8_MIN_ROWS - 1) == [0, 1 if mixed else 0]
+    assert call.route(INT8_MIN_ROWS - 1) == [0, 0]  # the dot products, Q6_K's too
     ops: CpuDecoderOps = model.ops
     on, off = Run(model, fused=True), Run(model, fused=False)
     nxt = {}
@@ -235,7 +235,7 @@ def test_each_row_count_takes_the_linears_route():
     # The layers hold their blocks alone: however many rows, the step reads them.
     assert call.route(4096) == [2 if CAPS.amx else 1, 0]
     mixed = LayerCall.of(tiny_model(mixed=True), CAPS.op("decode_layers_bf16"))
-    assert [mixed.route(r) for r in (1, 2, 3)] == [[0, 1]] * 3  # Q6_K: its exact kernel
+    assert [mixed.route(r) for r in (1, 2, 3)] == [[0, 0]] * 3  # Q6_K: its dot kernel too
     assert mixed.route(4) == [2 if CAPS.amx else 1, 1]
     assert mixed.route(8) == ([2, 2] if CAPS.amx else [1, 1])  # AMX from five rows
 

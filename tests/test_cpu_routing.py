@@ -75,6 +75,7 @@ TABLE = [
     (AVX512_BF16, BF16, "q4_1", False, 3, DOT),
     (AVX512_BF16, BF16, "q4_1", False, 4, B),
     (NO_DOT, BF16, "q4_1", False, 1, B),  # a library built without AVX512-BF16
+    (AMX, BF16, "q8_16", False, 1, DOT),  # a Q6_K's levels: their own dot kernel
     (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply
     (AVX512_BF16, BF16, "q4_1", True, 4, B),
     (AMX, F32, "q4_1", False, 1, B),  # the dot product is for bf16 x only
@@ -130,7 +131,7 @@ PROMPT_TABLE = [
     (AVX512_BF16, BF16, "q4_1", INT8_MIN_ROWS - 1, DOT),  # the dot kernel up to there
     (AVX512_BF16, BF16, "q4_1", INT8_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q4_1", 16, I8),  # a decode step of 16 users
-    (AVX512_BF16, BF16, "q8_16", INT8_MIN_ROWS - 1, B),
+    (AVX512_BF16, BF16, "q8_16", INT8_MIN_ROWS - 1, DOT),  # Q6_K's dot kernel too
     (AVX512_BF16, BF16, "q8_16", INT8_MIN_ROWS, I8),
     (AVX512_BF16, BF16, "q8_0", 10**6, I8),
     (AVX512_BF16, BF16, "q8_16", 10**6, I8),

@@ -188,7 +188,7 @@ class PackedLinear(nn.Module):
                   else (pairs, *self.quantized.paired_scales, self.out_features))
         self._quantized_args = (() if self.quantized is None else paired
                                 or (*self.quantized.tensors, self.out_features))
-        self._dot_args = paired if plan.dot_max_rows else ()
+        self._dot_args = (paired or self._quantized_args) if plan.dot_max_rows else ()
         self._int8_args = self._quantized_args if self._int8_op is not None or suffix else ()
         self._amx_args = paired or self._quantized_args
         self.dot_pairs = pairs

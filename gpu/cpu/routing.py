@@ -83,9 +83,10 @@ BLOCKS_ONLY_MAX_ROWS = {
     (16, torch.bfloat16): {"q4_1": sys.maxsize, "q8_0": sys.maxsize, "q8_16": sys.maxsize},
     (8, torch.float32): {"q4_1": 112, "q8_0": 80, "q8_16": 80},
 }
-# bf16 with the AVX512-BF16 dot-product kernel: calls of up to this many rows take it
-# (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`).
-BF16_DOT_MAX_ROWS = {"q4_1": 3}
+# bf16 with the AVX512-BF16 dot-product kernels: calls of up to this many rows take them
+# (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`,
+# `benchmarks/cpu_int8_rows_ab.py`).
+BF16_DOT_MAX_ROWS = {"q4_1": 3, "q8_16": 3}
 # Without AMX, a bf16 model's calls of at least this many rows quantize x to int8
 # (`Route.BLOCKS_INT8`): where there is no tile unit, the exact kernel is bound by its
 # float32 FMAs from a few rows up, and integer dot products (VNNI, or AVX2's

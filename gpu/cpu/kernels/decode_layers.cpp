@@ -66,6 +66,8 @@ at::Tensor linear(int64_t format, int64_t route, const at::Tensor& x, const at::
                   int64_t n) {
   if (format == kQ4_1 && route == kDot)
     return kernels::q4_1_linear_bf16(x, args[0], args[1], args[2], n);
+  if (format == kQ8_16 && route == kDot)
+    return kernels::q8_16_linear_bf16(x, args[0], args[1], args[2], n);
   if (format == kQ4_1 && route == kBlocks)
     return kernels::q4_1_linear(x, args[0], args[1], args[2], n);
   if (format == kQ8_16 && route == kBlocks)

@@ -56,6 +56,9 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
 // quant_linear_bf16.cpp
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qpairs,
                             const at::Tensor& scales, const at::Tensor& mins, int64_t N);
+// quant_linear_bf16_q8_16.cpp
+at::Tensor q8_16_linear_bf16(const at::Tensor& x, const at::Tensor& levels,
+                             const at::Tensor& codes, const at::Tensor& supers, int64_t N);
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

@@ -49,7 +49,11 @@ struct Int8Span {
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
 // and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
 // `kPairOrder` for the pairs; `offset`: stored as q + 128 (unsigned bits), for a tile that
-// puts x on vpdpbusd's unsigned side.
+// puts x on vpdpbusd's unsigned side. `kSuperBlocks` blocks per scale (AVX-512 only): 1,
+// or 8 for a tile against a K-quant's super-blocks of 256 k (int8_pairs.h
+// `tile_pairs_super`), as llama.cpp's Q8_K: max|x| over the 256, each block's `d` that
+// scale; the sums stay per block and exact.
+template <int kSuperBlocks = 1>
 inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset = false) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -61,39 +65,52 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
   r.q.resize(M * K);
   r.d.resize(M * r.blocks);
   r.sum.resize(M * r.blocks);
-  at::parallel_for(0, M * r.blocks, 256, [&](int64_t begin, int64_t end) {
-    float widened[kBlock];
+  constexpr int64_t G = kSuperBlocks, kValues = G * kBlock;
+#ifndef RIDGELINE_INT8_ROWS_AVX512
+  static_assert(G == 1, "AVX2 quantizes x per block of 32");
+#endif
+  // Item i: row t's group of G blocks from block b = G * (i / M).
+  at::parallel_for(0, M * (r.blocks / G), 256 / G, [&](int64_t begin, int64_t end) {
+    float widened[kValues];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / M, t = i % M;
+      const int64_t b = G * (i / M), t = i % M;
       const float* v = src + t * xs + b * kBlock;
       if (bf16) {
-        for (int64_t j = 0; j < kBlock; ++j)
+        for (int64_t j = 0; j < kValues; ++j)
           widened[j] = static_cast<float>(src16[t * xs + b * kBlock + j]);
         v = widened;
       }
-      int8_t* q = r.q.data() + i * kBlock;
 #ifndef RIDGELINE_INT8_ROWS_AVX512
-      avx2::quantize_block(v, q, r.d[i], r.sum[i]);
+      const int64_t at = b * M + t;
+      avx2::quantize_block(v, r.q.data() + at * kBlock, r.d[at], r.sum[at]);
 #else
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kValues; j += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+      const float d = _mm512_reduce_max_ps(amax) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       const __m512 scale = _mm512_set1_ps(inv);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
-      r.d[i] = d;
-      r.sum[i] = sum;
-#endif
-      if (pair_order) {
-        int8_t k_order[kBlock];
-        std::memcpy(k_order, q, kBlock);
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (b + g) * M + t;
+        const __m512 v0 = _mm512_loadu_ps(v + g * kBlock), v1 = _mm512_loadu_ps(v + g * kBlock + 16);
+        int8_t* q = r.q.data() + at * kBlock;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
+        r.d[at] = d;
+        r.sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
       }
-      if (offset)
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
+#endif
+      for (int64_t g = 0; g < G; ++g) {
+        int8_t* q = r.q.data() + ((b + g) * M + t) * kBlock;
+        if (pair_order) {
+          int8_t k_order[kBlock];
+          std::memcpy(k_order, q, kBlock);
+          for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+        }
+        if (offset)
+          for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
+      }
     }
   });
   return r;

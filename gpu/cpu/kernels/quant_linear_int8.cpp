@@ -13,7 +13,9 @@
 // matmul on CPU, and vLLM's GGUF kernels on CUDA do it too (Q8_1 activations).
 //
 // What changes: each row of x is quantized per block of 32 k, symmetric, as llama.cpp's
-// Q8_0: d = max|x| / 127, q = round(x / d). A block then adds
+// Q8_0: d = max|x| / 127, q = round(x / d) (against a Q4_K's pairs and codes on AVX-512,
+// per super-block of 256 k, as llama.cpp's Q8_K: int8_pairs.h `tile_pairs_super`). A
+// block then adds
 //   Q4_1: d_w * d_x * sum(q_w * q_x) + m_w * sum(x)   (sum(x) exact, in fp32)
 //   Q8_0: d_w * d_x * sum(q_w * q_x)
 // with the integer sums exact. So the result differs from the fp32 matmul by x's
@@ -256,14 +258,21 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
     const Pairs w{reinterpret_cast<const uint32_t*>(qweight.const_data_ptr<int32_t>()), sc,
                   x.size(1)};
     return in_float32(x, N, [&](float* out) {
-      const Int8Rows rows = quantize_rows(x, true);
       using int8_pairs::tile_pairs;
-      if (sc.d != nullptr)
-        int8_linear(w, rows, N, out,
+      if (sc.d != nullptr) {
+        int8_linear(w, quantize_rows(x, true), N, out,
                     [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
-      else
-        int8_linear(w, rows, N, out,
-                    [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
+        return;
+      }
+#ifdef RIDGELINE_INT8_AVX512  // a Q4_K's codes: x scaled per super-block
+      using int8_pairs::kSuperBlocks, int8_pairs::kSuperTile, int8_pairs::tile_pairs_super;
+      int8_linear<kSuperTile>(
+          w, quantize_rows<kSuperBlocks>(x, true), N, out,
+          [](auto T, auto&&... a) { tile_pairs_super<decltype(T)::value>(a...); });
+#else
+      int8_linear(w, quantize_rows(x, true), N, out,
+                  [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
+#endif
     });
 #else
     TORCH_CHECK(false, op, ": this build has no int8 kernels");
@@ -349,11 +358,23 @@ bool int8_linear_supported() {
 #endif
 }
 
+// The blocks of 32 k that share one scale of x in a Q4_K layer's int8 calls (its pairs
+// with codes): a super-block's 8 on AVX-512, else 1.
+int64_t int8_q4_k_x_blocks() {
+#ifdef RIDGELINE_INT8_AVX512
+  return int8_pairs::kSuperBlocks;
+#else
+  return 1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("int8_linear_supported() -> bool");
   m.impl("int8_linear_supported", c10::DispatchKey::CatchAll, TORCH_FN(int8_linear_supported));
+  m.def("int8_q4_k_x_blocks() -> int");
+  m.impl("int8_q4_k_x_blocks", c10::DispatchKey::CatchAll, TORCH_FN(int8_q4_k_x_blocks));
   m.def("q4_1_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_int8));
