@@ -70,27 +70,33 @@ struct Q8_16Panel {
 };
 
 inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int8_t* panel) {
-  alignas(64) int8_t q[kBlock * kPanel];
   const __m512i index[2] = {gather_index(0), gather_index(1)};
   const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const int64_t g = w.global(p, b);
     int8_t* dst = panel + b * Q8_16Panel::kBytes;
-    Q8_16::unpack(w.qs + g * Q8_16::kPackedBytes, q);
-    for (int half = 0; half < 2; ++half) {
-      __m512i wsum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int j = 0; j < 8; ++j) {
-        const __m512i lv = gather_group(reinterpret_cast<const uint8_t*>(q) + 4 * j * kPanel,
-                                        index[half]);
-        _mm512_store_si512(dst + j * 2 * 64 + half * 64, lv);
-        wsum[j / 4] = _mm512_dpbusd_epi32(wsum[j / 4], ones, lv);
+    __m512i wsum[2][2] = {};  // [half][k 0-15, 16-31]: each output's sum of its levels
+    __m512i even;  // rows 4j, 4j + 1 until rows 4j + 2, 4j + 3 come
+    Q8_16::unpack_steps(w.qs + g * Q8_16::kPackedBytes, [&](int v, __m512i rows) {
+      if (v % 2 == 0) {
+        even = rows;
+        return;
       }
+      const int j = v / 2;  // rows 4j .. 4j + 3 in registers: `gather_group`'s bytes
+      for (int half = 0; half < 2; ++half) {
+        const __m512i lv = _mm512_permutex2var_epi8(even, index[half], rows);
+        _mm512_store_si512(dst + j * 2 * 64 + half * 64, lv);
+        wsum[half][j / 4] = _mm512_dpbusd_epi32(wsum[half][j / 4], ones, lv);
+      }
+    });
+    for (int half = 0; half < 2; ++half) {
       const float* supers = w.supers + (g / 8) * kPanel + 16 * half;
       const __m512 s0 = Q8_16::scales16(w.codes + 2 * g * kPanel + 16 * half, supers);
       const __m512 s1 = Q8_16::scales16(w.codes + (2 * g + 1) * kPanel + 16 * half, supers);
       const __m512 offset = _mm512_mul_ps(
-          _mm512_set1_ps(128.f), _mm512_fmadd_ps(_mm512_cvtepi32_ps(wsum[1]), s1,
-                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(wsum[0]), s0)));
+          _mm512_set1_ps(128.f),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(wsum[half][1]), s1,
+                          _mm512_mul_ps(_mm512_cvtepi32_ps(wsum[half][0]), s0)));
       float* f = reinterpret_cast<float*>(dst + Q8_16Panel::kLevels + half * 3 * 64);
       _mm512_store_ps(f, s0);
       _mm512_store_ps(f + 16, s1);

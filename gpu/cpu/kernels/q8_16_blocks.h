@@ -81,10 +81,12 @@ struct Q8_16 {
     alignas(64) int8_t q[kBlock * kPanel];  // the levels unpacked: Q8_0's layout
   };
 
-  // The block's levels from `src` into q[j][n] (int8, k = j): 64 bytes (two rows of j) a
-  // step. Output row pair v takes low nibbles from row pair v % 8 (its high nibbles where
-  // v >= 8) and top bits from top row pair v % 4, field v / 4.
-  static RIDGELINE_INLINE void unpack(const uint8_t* src, int8_t* q) {
+  // The block's levels from `src` as q[j][n] (int8, k = j), two rows a step: `step(v,
+  // rows)` gets rows 2v and 2v + 1 (64 bytes) for v = 0..15, in order. Output row pair v
+  // takes low nibbles from row pair v % 8 (its high nibbles where v >= 8) and top bits
+  // from top row pair v % 4, field v / 4.
+  template <typename Step>
+  static RIDGELINE_INLINE void unpack_steps(const uint8_t* src, Step&& step) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi8(0x3F);
     const __m512i bias = _mm512_set1_epi8(32);
     __m512i top[4];
@@ -101,8 +103,12 @@ struct Q8_16 {
                                     : _mm512_srli_epi16(t, 2);
       // Bits 0-3 from low, 4-7 from high (0xCA: low4 ? low : high), then 6 bits kept.
       const __m512i u = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, high, 0xCA), low6);
-      _mm512_store_si512(q + 64 * v, _mm512_sub_epi8(u, bias));
+      step(v, _mm512_sub_epi8(u, bias));
     }
+  }
+  // The block's levels into q[j][n] in memory (1 KB).
+  static RIDGELINE_INLINE void unpack(const uint8_t* src, int8_t* q) {
+    unpack_steps(src, [q](int v, __m512i rows) { _mm512_store_si512(q + 64 * v, rows); });
   }
   static inline __m512 scales16(const int8_t* c, const float* s) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));

@@ -12,7 +12,7 @@
 // permute that pairs consecutive k, two zero-extensions to words and two word table
 // lookups (the level's 6 bits index bf16(level)) before two dot products a row.
 //
-// How: per panel and block, `Q8_16::unpack`'s 16 steps each give rows 2v and 2v + 1 of
+// How: per panel and block, `Q8_16::unpack_steps`' 16 steps each give rows 2v and 2v + 1 of
 // the block's levels (k = 2v, 2v + 1: both in one half of the block, so under one
 // scale), 32 outputs each; a vpermb interleaves them to [output][2 k] bytes, whose halves
 // widened to words and looked up are the pairs (bf16 level of k = 2v low, of k = 2v + 1
@@ -86,7 +86,6 @@ inline void panel(const Q8_16& w, int64_t p, const uint32_t* xp, int64_t xs,
   const __m512i lo_table = _mm512_load_si512(table.words),
                 hi_table = _mm512_load_si512(table.words + 32);
   const __m512i pairs = pair_index();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi8(0x3F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T][2];
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
@@ -101,24 +100,11 @@ inline void panel(const Q8_16& w, int64_t p, const uint32_t* xp, int64_t xs,
     prefetch::t1(w.supers, ahead / 8 * kPanel * 4 + 64);
     const int8_t* codes = w.codes + 2 * g * kPanel;
     const float* supers = w.supers + (g / 8) * kPanel;
-    __m512i top[4];
-    for (int s = 0; s < 4; ++s) top[s] = _mm512_loadu_si512(src + 16 * kPanel + 64 * s);
     __m512 sums[T][2];  // a block half's sums per row: outputs 0-15, 16-31
     for (int t = 0; t < T; ++t) sums[t][0] = sums[t][1] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int v = 0; v < 16; ++v) {  // rows 2v, 2v + 1 of the block's levels, as unpack
-      const __m512i nibbles = _mm512_loadu_si512(src + 64 * (v % 8));
-      const __m512i low = v < 8 ? nibbles : _mm512_srli_epi16(nibbles, 4);
-      const __m512i t4 = top[v % 4];
-      const __m512i high = v < 4    ? _mm512_slli_epi16(t4, 4)
-                           : v < 8  ? _mm512_slli_epi16(t4, 2)
-                           : v < 12 ? t4
-                                    : _mm512_srli_epi16(t4, 2);
-      // u = level + 32 in 6 bits; its 6 bits less 32 are the level's two's complement,
-      // which the table reads: u ^ 32.
-      const __m512i u = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, high, 0xCA), low6);
-      const __m512i level6 = _mm512_xor_si512(u, _mm512_set1_epi8(32));
-      const __m512i paired = _mm512_permutexvar_epi8(pairs, level6);  // [n][2 k] bytes
+    Q8_16::unpack_steps(src, [&](int v, __m512i rows) {  // rows 2v, 2v + 1: k = 2v, 2v + 1
+      // [n][2 k] bytes; each level's 6 bits (two's complement) are its table index.
+      const __m512i paired = _mm512_permutexvar_epi8(pairs, rows);
       const __m512bh w0 = as_bh(_mm512_permutex2var_epi16(
           lo_table, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(paired)), hi_table));
       const __m512bh w1 = as_bh(_mm512_permutex2var_epi16(
@@ -139,7 +125,7 @@ inline void panel(const Q8_16& w, int64_t p, const uint32_t* xp, int64_t xs,
           sums[t][0] = sums[t][1] = _mm512_setzero_ps();
         }
       }
-    }
+    });
   }
   __mmask16 k0, k1;
   column_masks(cols, k0, k1);
