@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "prefetch.h"
 #include "q8_16_blocks.h"
 #include "quant_blocks.h"
 
@@ -75,6 +76,9 @@ inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int8_t* panel) {
   for (int64_t b = 0; b < w.K / kBlock; ++b) {
     const int64_t g = w.global(p, b);
     int8_t* dst = panel + b * Q8_16Panel::kBytes;
+    const int64_t ahead = g + Q8_16::kReadAhead;  // past the layer's last block: harmless
+    for (int64_t line = 0; line < Q8_16::kPackedBytes / 64; ++line)
+      prefetch::t1(w.qs, ahead * Q8_16::kPackedBytes + 64 * line);
     __m512i wsum[2][2] = {};  // [half][k 0-15, 16-31]: each output's sum of its levels
     __m512i even;  // rows 4j, 4j + 1 until rows 4j + 2, 4j + 3 come
     Q8_16::unpack_steps(w.qs + g * Q8_16::kPackedBytes, [&](int v, __m512i rows) {
