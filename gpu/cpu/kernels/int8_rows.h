@@ -91,7 +91,8 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
       const __m512 scale = _mm512_set1_ps(inv);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t at = (b + g) * M + t;
-        const __m512 v0 = _mm512_loadu_ps(v + g * kBlock), v1 = _mm512_loadu_ps(v + g * kBlock + 16);
+        const __m512 v0 = _mm512_loadu_ps(v + g * kBlock),
+                     v1 = _mm512_loadu_ps(v + g * kBlock + 16);
         int8_t* q = r.q.data() + at * kBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));

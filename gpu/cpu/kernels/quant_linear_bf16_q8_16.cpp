@@ -145,7 +145,8 @@ void pack_x(const at::Tensor& x, std::vector<uint32_t>& xp) {
   xp.resize(M * K / 2);
   for (int64_t t = 0; t < M; ++t)
     for (int64_t i = 0; i < K / 2; ++i)
-      xp[t * K / 2 + i] = bits[t * xs + 2 * i] | static_cast<uint32_t>(bits[t * xs + 2 * i + 1]) << 16;
+      xp[t * K / 2 + i] =
+          bits[t * xs + 2 * i] | static_cast<uint32_t>(bits[t * xs + 2 * i + 1]) << 16;
 }
 
 }  // namespace
