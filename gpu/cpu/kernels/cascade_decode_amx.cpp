@@ -11,7 +11,7 @@
 //
 // Work units, taken from a shared counter by every thread (the two kinds differ in size):
 //   prefix (KV head h, chunk c of the prefix's keys): the chunk's keys packed (kt, vp of
-//     amx_attention.h); s [R*G][keys] = q · kᵀ; each row's softmax over the chunk with
+//     bf16_attention.h); s [R*G][keys] = q · kᵀ; each row's softmax over the chunk with
 //     its maximum and sum, p split in two bf16 parts (softmax_split); o = p · v,
 //     unnormalised, fp32. The prefix is cut into chunks so that there are units for
 //     every thread and a chunk's scores stay in L2.
@@ -90,7 +90,7 @@ void suffix_scores(const float* qf, const BFloat16* k, const int32_t* table, int
 
 // 2^t for t <= 0 to about 1 ulp of fp32: t = n + f with n an integer and |f| <= 1/2, 2^f by
 // its Taylor series to degree 6 (the next term is below 2e-7 of it), scalef multiplying
-// by 2^n (0 far below the row's maximum). amx_attention.h's exp2_nonpositive stops at
+// by 2^n (0 far below the row's maximum). bf16_attention.h's exp2_nonpositive stops at
 // degree 4, enough for p rounded once to bf16, not for p split in two (below).
 inline __m512 exp2_fine(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
