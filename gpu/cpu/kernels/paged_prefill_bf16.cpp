@@ -8,7 +8,7 @@
 // Why: paged_prefill.cpp computes the scores and p·v with fp32 vector FMAs. In a long
 // prompt, and after a long cached prefix (a chat's system prompt), most of a prefill
 // step's attention is those two products, and the tile unit multiplies bf16 several
-// times faster than fp32 FMAs, vdpbf16ps twice as many a instruction
+// times faster than fp32 FMAs, vdpbf16ps twice the products of an FMA an instruction
 // (benchmarks/cpu_prefill_ab.py times the kernels and torch's SDPA).
 //
 // Work unit: (sequence, KV head, a run of consecutive tiles of its new tokens):

@@ -5,24 +5,25 @@
 // Why: at one row the exact float32 kernel (quant_linear.cpp) is bound by the
 // instructions that widen the levels, not by memory: per 64 weights it unpacks the 6-bit
 // levels (five instructions), then sign-extends and converts each 16 of them to float32
-// (eight) before four FMAs, and a Q4_K_M's Q6_K layers and LM head, a quarter of its
-// weights, stream from memory at three quarters of the rate the Q4_K ones do. vdpbf16ps
-// multiplies pairs of bf16 values into float32 lanes, so each level needs only to become
-// a bf16 in the right half of a lane: per 64 weights the same unpacking, one byte
-// permute that pairs consecutive k, two zero-extensions to words and two word table
-// lookups (the level's 6 bits index bf16(level)) before two dot products a row.
+// (eight) before four FMAs, so a Q4_K_M's Q6_K layers and LM head, a quarter of its
+// weights, stream from memory slower than its Q4_K ones (`benchmarks/cpu_int8_rows_ab.py`
+// times both kernels per row count). vdpbf16ps multiplies pairs of bf16 values into
+// float32 lanes, so each level needs only to become a bf16 in the right half of a lane:
+// per 64 weights the same unpacking, one byte permute that pairs consecutive k, two
+// zero-extensions to words and two word table lookups (the level's 6 bits index
+// bf16(level)) before two dot products a row.
 //
-// How: per panel and block, `Q8_16::unpack_steps`' 16 steps each give rows 2v and 2v + 1 of
-// the block's levels (k = 2v, 2v + 1: both in one half of the block, so under one
+// How: per panel and block, `Q8_16::unpack_steps`' 16 steps each give rows 2v and 2v + 1
+// of the block's levels (k = 2v, 2v + 1: both in one half of the block, so under one
 // scale), 32 outputs each; a vpermb interleaves them to [output][2 k] bytes, whose halves
 // widened to words and looked up are the pairs (bf16 level of k = 2v low, of k = 2v + 1
 // high) of outputs 0-15 and 16-31. x is packed once per call in the same pairs. Each row
 // sums a block's half (16 k) per output in float32, then adds it times the half's scale
 // (code * super, exact as the exact kernel's): per output lane, one block half after
-// another. Products of two bf16 values are exact
-// in float32 and the sums float32, so the result is the exact kernel's arithmetic in
-// another order within a half (vdpbf16ps adds its lane's k = 2v + 1 product, then k =
-// 2v's, each rounded once), the sums rounded to bf16 once (vcvtneps2bf16).
+// another. Products of two bf16 values are exact in float32 and the sums float32, so
+// the result is the exact kernel's arithmetic in another order within a half
+// (vdpbf16ps adds its lane's k = 2v + 1 product, then k = 2v's, each rounded once), the
+// sums rounded to bf16 once (vcvtneps2bf16).
 // The row counts this path takes: gpu/cpu/routing.py (`BF16_DOT_MAX_ROWS`).
 //
 // Read-ahead: at one row a block's loads wait on memory unless asked for early, as in
