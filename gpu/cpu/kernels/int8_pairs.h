@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "force_inline.h"
 #include "int8_avx512.h"
 #include "q4_1_scales.h"
 #include "quant_blocks.h"
@@ -50,6 +51,24 @@ namespace int8_pairs {
 using int8_avx512::broadcast4;
 using int8_avx512::sums_so_far;
 
+// One block's integer sums for T rows (levels from xq, row t at t * 32) against 16
+// outputs' pairs q: per chunk one load, its low and high nibbles masked out as bytes.
+template <int T>
+RIDGELINE_INLINE void block_dots(const uint32_t* q, const int8_t* xq, __m512i (&dot)[T]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + c * kPanel);
+    const __m512i lo = _mm512_and_si512(v, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    for (int t = 0; t < T; ++t) {
+      dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4(xq + t * kBlock + 8 * c));
+      dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4(xq + t * kBlock + 8 * c + 4));
+    }
+  }
+}
+
 // T rows of x (levels in `kPairOrder`) against half `half` of a Q4_1 panel p held as the
 // dot kernel's pairs: per chunk one load of 16 outputs' dwords, its low and high nibbles
 // masked out as bytes, no gather (the panels' vpermt2b). Scales: q4_1_scales.h.
@@ -57,7 +76,6 @@ template <int T, bool kCoded, typename Rows>
 inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
                        int64_t r0, float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
@@ -67,17 +85,7 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
     const float* xd = x.d + b * x.M + r0;
     const float* xsum = x.sum + b * x.M + r0;
     __m512i dot[T];
-    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(q + c * kPanel);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      for (int t = 0; t < T; ++t) {
-        dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4(xq + t * kBlock + 8 * c));
-        dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4(xq + t * kBlock + 8 * c + 4));
-      }
-    }
+    block_dots<T>(q, xq, dot);
     __m512 d, m;
     w.sc.load<kCoded>(p, b, half, d, m);
     for (int t = 0; t < T; ++t) {
@@ -107,7 +115,6 @@ template <int T, typename Rows>
 inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x, int64_t r0,
                              float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   __m512 acc[T], part[T];
   for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
@@ -116,17 +123,7 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xsum = x.sum + b * x.M + r0;
     __m512i dot[T];
-    for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(q + c * kPanel);
-      const __m512i lo = _mm512_and_si512(v, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      for (int t = 0; t < T; ++t) {
-        dot[t] = _mm512_dpbusd_epi32(dot[t], lo, broadcast4(xq + t * kBlock + 8 * c));
-        dot[t] = _mm512_dpbusd_epi32(dot[t], hi, broadcast4(xq + t * kBlock + 8 * c + 4));
-      }
-    }
+    block_dots<T>(q, xq, dot);
     __m512 d, m;
     w.sc.load<true>(p, b, half, d, m);
     const bool opens = b % kSuperBlocks == 0;

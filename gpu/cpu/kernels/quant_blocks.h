@@ -28,6 +28,8 @@
 //
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -252,6 +254,24 @@ inline void column_masks(int64_t cols, __mmask16& m0, __mmask16& m1) {
   m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
 }
+
+#ifdef __AVX512BF16__
+// T rows of a panel's float32 sums (outputs 0-15, 16-31) rounded to bf16 (vcvtneps2bf16,
+// to nearest even) into `out` (row stride os), `cols` of the 32 outputs real: the bf16
+// dot-product kernels' store.
+template <int T>
+inline void store_bf16_panel(const __m512 (&acc)[T][2], c10::BFloat16* out, int64_t os,
+                             int64_t cols) {
+  __mmask16 k0, k1;
+  column_masks(cols, k0, k1);
+  for (int t = 0; t < T; ++t) {
+    auto* o = reinterpret_cast<uint16_t*>(out + t * os);
+    _mm256_mask_storeu_epi16(o, k0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][0])));
+    _mm256_mask_storeu_epi16(o + 16, k1,
+                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][1])));
+  }
+}
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // 16 registers of 8 lanes: 6 rows x 16 outputs of accumulators, as BLAS's AVX2 kernels.
 constexpr int64_t kTile = 6;

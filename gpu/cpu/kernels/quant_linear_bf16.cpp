@@ -138,14 +138,7 @@ inline void panel(const uint32_t* qp, const Q4_1Scales sc, int64_t K, int64_t p,
     block_products<T, 1>(q + b * kPanel * 4, xp + b * 16, K / 2, table, qx);
     add(b, qx[0]);
   }
-  __mmask16 k0, k1;
-  column_masks(cols, k0, k1);
-  for (int t = 0; t < T; ++t) {
-    auto* o = reinterpret_cast<uint16_t*>(out + t * os);
-    _mm256_mask_storeu_epi16(o, k0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][0])));
-    _mm256_mask_storeu_epi16(o + 16, k1,
-                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][1])));
-  }
+  store_bf16_panel<T>(acc, out, os, cols);
 }
 
 // x's rows as the kernel reads them: pairs of bf16 bits, x[32b + j + 16] in the low

@@ -128,14 +128,7 @@ inline void panel(const Q8_16& w, int64_t p, const uint32_t* xp, int64_t xs,
       }
     });
   }
-  __mmask16 k0, k1;
-  column_masks(cols, k0, k1);
-  for (int t = 0; t < T; ++t) {
-    auto* o = reinterpret_cast<uint16_t*>(out + t * os);
-    _mm256_mask_storeu_epi16(o, k0, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][0])));
-    _mm256_mask_storeu_epi16(o + 16, k1,
-                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[t][1])));
-  }
+  store_bf16_panel<T>(acc, out, os, cols);
 }
 
 // x's rows as pairs of bf16 bits, x[2i] in the low half and x[2i + 1] in the high one
