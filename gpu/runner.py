@@ -220,9 +220,9 @@ class ModelRunner:
             checkpoint = dict(weights if weights is not None else iter_safetensors(
                 spec.model_dir, placeholders=model.checkpoint_names(skip), blocks=gguf))
             model.load_weights(checkpoint.items(), skip=skip)
-            # Logs what its packed copies and the blocks add in host memory (negative where
-            # a layer holds its blocks alone); the plan keeps the checkpoint's arithmetic.
-            packing.pack_linears(self.model, blocks, kernels, int8, checkpoint)
+            # What its packed copies and the blocks add in host memory (negative where a
+            # layer holds its blocks alone): the plan logs the weights as they lie there.
+            weights_bytes += packing.pack_linears(self.model, blocks, kernels, int8, checkpoint)
             block_reads = packing.quantized_reads(self.model)
         elif spec.int8_activations:
             raise ValueError(f"--int8-activations is for CPU: this model runs on {self.device}")

@@ -140,3 +140,25 @@ def test_the_whole_context_by_default_lowered_to_what_the_pool_holds(tiny_dir, c
     assert "max_model_len lowered from 1024 (the model's context) to 512" in caplog.text
     with pytest.raises(ValueError, match="fewer than max_model_len=1024"):
         EngineCore(EngineConfig.from_kwargs(**small, max_model_len=1024))
+
+
+def test_a_gguf_plan_counts_the_weights_as_they_are_held():
+    """The embedded GGUF served from its blocks: the server's plan logs what its layers
+    hold once read, the offline plan the file's blocks (a Q4_1's float32 scales make the
+    first ~15 % more), within 25 % of each other and
+    both far under the dense arithmetic (which counts every weight in the served dtype)."""
+    from app.config import EngineConfig
+    from app.engine.core import EngineCore
+    from app.engine.plan import offline_plan
+
+    config = EngineConfig.from_kwargs(kv_cache_memory=64 << 20, max_model_len=512)
+    offline = offline_plan(config)
+    core = EngineCore(config)
+    try:
+        served = core.kv_plan.weights_bytes
+        dense = core.cost.weights_bytes
+    finally:
+        core.shutdown()
+    assert offline["memory"]["weights_bytes"] == pytest.approx(served, rel=0.25)
+    assert served < 0.6 * dense
+    assert any("GGUF's blocks" in note for note in offline["notes"])

@@ -16,11 +16,13 @@ upper bound: the activation peak and the CUDA graphs are measured on the device 
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 from app.config import CacheConfig, EngineConfig
 from gpu.memory import GiB, KVPlan, plan_kv_cache
-from gpu.roofline import DevicePeaks, ModelCost, StepCost, flop_rate
+from gpu.roofline import DevicePeaks, ModelCost, QuantizedReads, StepCost, flop_rate
 from models.config import ModelConfig
 
 
@@ -103,6 +105,30 @@ def plan_report(*, model: str, model_config: ModelConfig, dtype: str, device: st
     }
 
 
+@dataclass(frozen=True)
+class FileReads(QuantizedReads):
+    """`QuantizedReads` estimated from a GGUF's blocks before they are read (every call
+    reads them where a layer holds no dense copy), with what they stand for in all."""
+
+    bytes: int = 0  # every kept weight's blocks, the embedding's included
+    params: int = 0  # the weights those blocks stand for
+
+
+def file_reads(blocks, tied: bool, dtype_bytes: int) -> FileReads | None:
+    """What the served layers read, by the file's bytes (None: no blocks kept)."""
+    if not blocks:
+        return None
+    sources, embed = blocks.sources, "model.embed_tokens.weight"
+    head = sources.get(embed if tied else "lm_head.weight")
+    layers = [s for name, s in sources.items() if name not in (embed, "lm_head.weight")]
+    return FileReads(
+        layer_bytes=sum(s.nbytes for s in layers), head_bytes=head.nbytes if head else 0,
+        layer_max_rows=sys.maxsize, head_max_rows=sys.maxsize if head else 0,
+        layer_params=sum(s.in_features * s.out_features for s in layers),
+        bytes=sum(s.nbytes for s in sources.values()),
+        params=sum(s.in_features * s.out_features for s in sources.values()))
+
+
 def offline_plan(config: EngineConfig, device_memory: int | None = None,
                  peaks: DevicePeaks | None = None, measure_peaks: bool = False
                  ) -> dict[str, Any]:
@@ -111,6 +137,7 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     import torch
 
     from gpu.dtypes import DTYPES, choose_dtype, resolve_device, resolve_kv_dtype
+    from models import gguf_blocks
     from models.resolve import resolve_model
 
     notes = []
@@ -133,18 +160,27 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
     kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
-    cost = ModelCost.from_config(model_config, dtype_bytes)
+    # A GGUF's layers on CPU are served from the file's blocks, no dense copy beside them.
+    served = device.type == "cpu" and config.flat()["cpu_quantized_matmul"]
+    reads = file_reads(gguf_blocks.load(model_dir), model_config.tie_word_embeddings,
+                       dtype_bytes) if served else None
+    cost = ModelCost.from_config(model_config, dtype_bytes, blocks=reads)
+    weights_bytes = cost.weights_bytes - (reads.params * dtype_bytes - reads.bytes
+                                          if reads is not None else 0)
     cache = config.cache
     plan = plan_kv_cache(
         bytes_per_token=model_config.kv_bytes_per_token(kv_dtype_bytes),
         block_size=cache.block_size, max_model_len=max_model_len,
-        weights_bytes=cost.weights_bytes, kv_cache_memory=cache.kv_cache_memory,
+        weights_bytes=weights_bytes, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=cache.num_blocks, total_device_bytes=total,
         gpu_memory_utilization=cache.gpu_memory_utilization,
         sliding_window=model_config.uniform_window,
         fit_max_model_len=config.max_model_len is None)
-    cost = ModelCost.from_config(model_config, dtype_bytes, plan.sliding_window,
+    cost = ModelCost.from_config(model_config, dtype_bytes, plan.sliding_window, reads,
                                  kv_dtype_bytes=kv_dtype_bytes)
+    if reads is not None:
+        notes.append("weights and steps' reads count the GGUF's blocks at the file's size "
+                     "(the layouts the kernels read can take more: a served model logs them)")
     if measure_peaks and peaks is None:
         if device_memory is not None:
             raise ValueError("--measure-peaks measures this machine: it cannot be combined "
