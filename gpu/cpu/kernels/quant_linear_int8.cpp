@@ -42,7 +42,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "entry_points.h"
@@ -65,6 +64,17 @@
 namespace {
 
 using namespace quant;
+
+// Where a call's float32 sums go: straight into a float32 result, or, for bf16 x, per
+// panel and row chunk into a thread's buffer, rounded into the bf16 result once the
+// panel's spans are summed (as the exact kernels round their sums). Not an [M, N] float32
+// buffer: at a prompt's rows that is tens of MB, which the allocator maps afresh at every
+// call (past glibc's mmap threshold) and each of its pages faults in.
+struct Sums {
+  float* f32;            // the result where x is float32, else null
+  c10::BFloat16* bf16;   // else this
+  int64_t N;
+};
 
 #ifdef RIDGELINE_INT8
 #ifdef RIDGELINE_INT8_AVX512
@@ -173,8 +183,9 @@ struct NoPanel {
 };
 
 template <int kMaxRows = kInt8Tile, typename W, typename Tile, typename Panel = NoPanel>
-void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& tile,
+void int8_linear(const W& w, const Int8Rows& x, const Sums& out, Tile&& tile,
                  Panel&& panel = {}) {
+  const int64_t N = out.N;
   const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
@@ -182,8 +193,13 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
                   tiles = (rows + kMaxRows - 1) / kMaxRows,
                   tile_rows = (rows + tiles - 1) / tiles;
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<float> buffer;  // a panel's sums for bf16 x
+      if (out.f32 == nullptr) buffer.resize(kRowChunk * kPanel);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
+        // Row r0's sums at sums + (r0 - c0) * os.
+        float* sums = out.f32 != nullptr ? out.f32 + c0 * N + p * kPanel : buffer.data();
+        const int64_t os = out.f32 != nullptr ? N : kPanel;
         panel(p);
 #ifdef RIDGELINE_INT8_AVX512
         for (int64_t b0 = 0; b0 < x.blocks; b0 += kSpanBlocks) {
@@ -195,9 +211,12 @@ void int8_linear(const W& w, const Int8Rows& x, int64_t N, float* out, Tile&& ti
           for (int half = 0; half < 2 && half_used(half, cols); ++half)
             for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
               with_rows<kMaxRows>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
-                tile(T, w, p, half, span, r0, out + r0 * N + p * kPanel, N, cols);
+                tile(T, w, p, half, span, r0, sums + (r0 - c0) * os, os, cols);
               });
         }
+        if (out.f32 == nullptr)
+          for (int64_t r = 0; r < rows; ++r)
+            round_to_bf16(sums + r * os, out.bf16 + (c0 + r) * N + p * kPanel, cols);
       }
     });
   }
@@ -220,19 +239,14 @@ void check_int8(const at::Tensor& x, const at::Tensor& qweight, int64_t per_bloc
               ", 32] with K = x's, got ", qweight.sizes(), " for x ", x.sizes());
 }
 
-// An [M, N] result of x's dtype, `linear` writing its float32 values: into it for float32
-// x, else into a buffer rounded to bf16 after, as the exact kernel rounds its sums.
+// An [M, N] result of x's dtype, `linear` writing its float32 sums into it (`Sums`).
 template <typename Fn>
-at::Tensor in_float32(const at::Tensor& x, int64_t N, Fn&& linear) {
+at::Tensor result(const at::Tensor& x, int64_t N, Fn&& linear) {
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return out;
-  if (x.scalar_type() == at::kFloat) {
-    linear(out.mutable_data_ptr<float>());
-    return out;
-  }
-  std::unique_ptr<float[]> sums(new float[x.size(0) * N]);
-  linear(sums.get());
-  round_to_bf16(sums.get(), out.mutable_data_ptr<c10::BFloat16>(), x.size(0) * N);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  linear(Sums{f32 ? out.mutable_data_ptr<float>() : nullptr,
+              f32 ? nullptr : out.mutable_data_ptr<c10::BFloat16>(), N});
   return out;
 }
 
@@ -257,20 +271,19 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
 #ifdef RIDGELINE_INT8
     const Pairs w{reinterpret_cast<const uint32_t*>(qweight.const_data_ptr<int32_t>()), sc,
                   x.size(1)};
-    return in_float32(x, N, [&](float* out) {
+    return result(x, N, [&](const Sums& out) {
       using int8_pairs::tile_pairs;
       if (sc.d != nullptr) {
-        int8_linear(w, quantize_rows(x, true), N, out,
+        int8_linear(w, quantize_rows(x, true), out,
                     [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
         return;
       }
 #ifdef RIDGELINE_INT8_AVX512  // a Q4_K's codes: x scaled per super-block
       using int8_pairs::kSuperBlocks, int8_pairs::kSuperTile, int8_pairs::tile_pairs_super;
-      int8_linear<kSuperTile>(
-          w, quantize_rows<kSuperBlocks>(x, true), N, out,
+      int8_linear<kSuperTile>(w, quantize_rows<kSuperBlocks>(x, true), out,
           [](auto T, auto&&... a) { tile_pairs_super<decltype(T)::value>(a...); });
 #else
-      int8_linear(w, quantize_rows(x, true), N, out,
+      int8_linear(w, quantize_rows(x, true), out,
                   [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
 #endif
     });
@@ -280,11 +293,11 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   }
   TORCH_CHECK(scales.sizes() == mins.sizes() && scales.is_contiguous() && mins.is_contiguous(),
               op, ": scales and mins alike");
-  return in_float32(x, N, [&](float* out) {
+  return result(x, N, [&](const Sums& out) {
 #ifdef RIDGELINE_INT8
     const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
                  mins.const_data_ptr<float>(), x.size(1)};
-    int8_linear(w, quantize_rows(x, false), N, out,
+    int8_linear(w, quantize_rows(x, false), out,
                 [](auto T, auto&&... args) { tile_q4_1<decltype(T)::value>(args...); });
 #endif
   });
@@ -296,10 +309,10 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(qweight.scalar_type() == at::kChar && N > (qweight.size(0) - 1) * kPanel &&
                   N <= qweight.size(0) * kPanel && scales.is_contiguous(),
               "q8_0_linear_int8: int8 panels, N within them, contiguous scales");
-  return in_float32(x, N, [&](float* out) {
+  return result(x, N, [&](const Sums& out) {
 #ifdef RIDGELINE_INT8
     const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), x.size(1)};
-    int8_linear(w, quantize_rows(x, false), N, out,
+    int8_linear(w, quantize_rows(x, false), out,
                 [](auto T, auto&&... args) { tile_q8_0<decltype(T)::value>(args...); });
 #endif
   });
@@ -316,12 +329,11 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
   check_int8(x, levels, 24, op);
   TORCH_CHECK(N > (levels.size(0) - 1) * kPanel && N <= levels.size(0) * kPanel, op,
               ": N within the panels");
-  return in_float32(x, N, [&](float* out) {
+  return result(x, N, [&](const Sums& out) {
 #ifdef RIDGELINE_INT8_AVX512
     // Each thread's panel, unpacked (64-byte aligned: the tile loads it so).
     static thread_local std::vector<__m512i> panel;
-    int8_linear<kQ8_16Tile>(
-        w, quantize_rows(x, false, true), N, out,
+    int8_linear<kQ8_16Tile>(w, quantize_rows(x, false, true), out,
         [](auto T, const Q8_16&, int64_t, auto&&... a) {
           tile_q8_16<decltype(T)::value>(reinterpret_cast<const int8_t*>(panel.data()), a...);
         },
@@ -332,16 +344,20 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
 #elif defined(RIDGELINE_INT8)
     const Int8Rows rows = quantize_rows(x, false);
     const int64_t panels = (N + kPanel - 1) / kPanel;
+    // The routing gives AVX2 one or two rows here: a float32 buffer of them is small.
+    std::vector<float> buffer(out.f32 != nullptr ? 0 : rows.M * N);
+    float* sums = out.f32 != nullptr ? out.f32 : buffer.data();
     for (int64_t r0 = 0; r0 < rows.M; r0 += 2)
       at::parallel_for(0, panels, std::max<int64_t>(1, 65536 / (kPanel * w.K)),
                        [&](int64_t begin, int64_t end) {
                          for (int64_t p = begin; p < end; ++p)
                            with_rows<2>(rows.M - r0, [&](auto T) {
                              avx2::tile_q8_16_rows<decltype(T)::value>(
-                                 w, p, rows, r0, out + r0 * N + p * kPanel, N,
+                                 w, p, rows, r0, sums + r0 * N + p * kPanel, N,
                                  std::min(kPanel, N - p * kPanel));
                            });
                        });
+    if (out.f32 == nullptr) round_to_bf16(sums, out.bf16, rows.M * N);
 #endif
   });
 }
