@@ -72,17 +72,35 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
   // Item i: row t's group of G blocks from block b = G * (i / M).
   at::parallel_for(0, M * (r.blocks / G), 256 / G, [&](int64_t begin, int64_t end) {
     float widened[kValues];
+#ifdef RIDGELINE_INT8_ROWS_AVX512
+    const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kPairOrder));
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = G * (i / M), t = i % M;
       const float* v = src + t * xs + b * kBlock;
       if (bf16) {
-        for (int64_t j = 0; j < kValues; ++j)
-          widened[j] = static_cast<float>(src16[t * xs + b * kBlock + j]);
+        const c10::BFloat16* h = src16 + t * xs + b * kBlock;
+#ifdef RIDGELINE_INT8_ROWS_AVX512  // a bf16's bits are a float's upper half
+        for (int64_t j = 0; j < kValues; j += 16)
+          _mm512_storeu_si512(widened + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + j))), 16));
+#else
+        for (int64_t j = 0; j < kValues; ++j) widened[j] = static_cast<float>(h[j]);
+#endif
         v = widened;
       }
 #ifndef RIDGELINE_INT8_ROWS_AVX512
       const int64_t at = b * M + t;
-      avx2::quantize_block(v, r.q.data() + at * kBlock, r.d[at], r.sum[at]);
+      int8_t* q = r.q.data() + at * kBlock;
+      avx2::quantize_block(v, q, r.d[at], r.sum[at]);
+      if (pair_order) {
+        int8_t k_order[kBlock];
+        std::memcpy(k_order, q, kBlock);
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+      }
+      if (offset)
+        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
 #else
       __m512 amax = _mm512_setzero_ps();
       for (int64_t j = 0; j < kValues; j += 16)
@@ -93,25 +111,17 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
         const int64_t at = (b + g) * M + t;
         const __m512 v0 = _mm512_loadu_ps(v + g * kBlock),
                      v1 = _mm512_loadu_ps(v + g * kBlock + 16);
-        int8_t* q = r.q.data() + at * kBlock;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale))));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))));
+        __m256i q = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(
+                _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)))),
+            _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))), 1);
+        if (pair_order) q = _mm256_permutexvar_epi8(order, q);  // q[j] = k order's [order[j]]
+        if (offset) q = _mm256_xor_si256(q, flip);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + at * kBlock), q);
         r.d[at] = d;
         r.sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
       }
 #endif
-      for (int64_t g = 0; g < G; ++g) {
-        int8_t* q = r.q.data() + ((b + g) * M + t) * kBlock;
-        if (pair_order) {
-          int8_t k_order[kBlock];
-          std::memcpy(k_order, q, kBlock);
-          for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
-        }
-        if (offset)
-          for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
-      }
     }
   });
   return r;
