@@ -114,7 +114,7 @@ class FileReads(QuantizedReads):
     params: int = 0  # the weights those blocks stand for
 
 
-def file_reads(blocks, tied: bool, dtype_bytes: int) -> FileReads | None:
+def file_reads(blocks, tied: bool) -> FileReads | None:
     """What the served layers read, by the file's bytes (None: no blocks kept)."""
     if not blocks:
         return None
@@ -162,8 +162,8 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
     # A GGUF's layers on CPU are served from the file's blocks, no dense copy beside them.
     served = device.type == "cpu" and config.flat()["cpu_quantized_matmul"]
-    reads = file_reads(gguf_blocks.load(model_dir), model_config.tie_word_embeddings,
-                       dtype_bytes) if served else None
+    reads = file_reads(gguf_blocks.load(model_dir),
+                       model_config.tie_word_embeddings) if served else None
     cost = ModelCost.from_config(model_config, dtype_bytes, blocks=reads)
     weights_bytes = cost.weights_bytes - (reads.params * dtype_bytes - reads.bytes
                                           if reads is not None else 0)
