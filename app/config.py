@@ -108,9 +108,10 @@ class CacheConfig:
     num_blocks: int | None = setting(None, "an exact KV pool size in blocks",
                                      flags=("--num-gpu-blocks-override", "--num-blocks"))
     kv_cache_dtype: str = setting(
-        "auto", "dtype of the KV cache: auto (the model's), or bfloat16 under a float32 "
-        "model on CPU: half the cache's bytes, so twice the tokens and half the attention "
-        "reads; attention still computes in float32, keys and values rounded to bfloat16",
+        "auto", "dtype of the KV cache: auto (the model's; bfloat16 where --dtype auto "
+        "serves float32 on a CPU), or bfloat16 under a float32 model on CPU: half the "
+        "cache's bytes, so twice the tokens and half the attention reads; attention still "
+        "computes in float32, keys and values rounded to bfloat16",
         choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes "
                                           "already computed (automatic prefix caching)")

@@ -69,6 +69,21 @@ def int8_activations_asked(asked: bool | None, name: str, dtype: torch.dtype,
         else False
 
 
+def kv_cache_dtype_asked(name: str, dtype_name: str, dtype: torch.dtype,
+                         device: torch.device) -> str:
+    """`--kv-cache-dtype` as the model thread takes it: as asked where it was; `auto` is
+    bfloat16 where `--dtype auto` serves float32 on a CPU, else the model's. Why: as with
+    int8 activations above, float32 there is not asked for but the lack of bf16
+    arithmetic; a bf16 pool holds twice the tokens in `--kv-cache-memory` and halves a
+    decode step's attention reads, attention still computing in float32, at a perplexity
+    cost two orders of magnitude below int8 x's (docs/benchmarks.md, "CPU opt-in
+    trades"). `--dtype float32` keeps the cache float32."""
+    if name != "auto":
+        return name
+    auto_float32 = dtype_name == "auto" and device.type == "cpu" and dtype == torch.float32
+    return "bfloat16" if auto_float32 else "auto"
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV pool's dtype: the model's, or bfloat16 under a float32 model on CPU (the C++
     attention kernels widen it to float32 as they read; elsewhere it is refused, naming

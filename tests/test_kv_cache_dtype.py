@@ -56,6 +56,30 @@ def test_refused_where_it_cannot_run_as_asked(tiny_dir) -> None:
         llm.shutdown()
 
 
+def test_auto_is_bfloat16_where_auto_serves_float32_on_a_cpu(tiny_dir, monkeypatch) -> None:
+    """`--dtype auto` serving float32 on a CPU (no bf16 arithmetic, faked here: this host
+    may have it) takes a bf16 pool, as it takes int8 activations; a float32 asked for by
+    name, a bf16 model and a KV dtype asked for by name are left as they are."""
+    from gpu.dtypes import kv_cache_dtype_asked
+
+    cpu, cuda, f32 = torch.device("cpu"), torch.device("cuda"), torch.float32
+    assert kv_cache_dtype_asked("auto", "auto", f32, cpu) == "bfloat16"
+    assert kv_cache_dtype_asked("auto", "float32", f32, cpu) == "auto"
+    assert kv_cache_dtype_asked("auto", "auto", torch.bfloat16, cpu) == "auto"
+    assert kv_cache_dtype_asked("auto", "auto", f32, cuda) == "auto"
+    assert kv_cache_dtype_asked("bfloat16", "float32", f32, cpu) == "bfloat16"
+    import gpu.dtypes
+
+    monkeypatch.setattr(gpu.dtypes, "cpu_auto_dtype", lambda: (f32, "auto: float32 (faked)"))
+    llm = build(tiny_dir)
+    try:
+        runner = llm.engine.worker.wait_ready()
+        assert runner.dtype == f32 and runner.k_caches[0].dtype == torch.bfloat16
+        assert llm.engine.kv_dtype == "bfloat16"
+    finally:
+        llm.shutdown()
+
+
 def test_smollm2_scores_stay_close_to_the_float32_cache() -> None:
     """Keys and values rounded to bfloat16 (8 significant bits) move the real model's
     prompt logprobs a little: on 21k tokens of prose the median |d logprob| was 0.003,

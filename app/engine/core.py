@@ -39,7 +39,7 @@ from app.engine.spec.draft_model import DraftModelProposer, draft_model_dir
 from app.engine.spec.speculator import Speculator
 from app.engine.table_rows import TableRows
 from gpu.batch import Batch, PromptLogprobsRequest, StepResult
-from gpu.dtypes import choose_dtype, int8_activations_asked, resolve_device
+from gpu.dtypes import choose_dtype, int8_activations_asked, kv_cache_dtype_asked, resolve_device
 from gpu.roofline import StepCost
 from gpu.runner import RunnerSpec
 from gpu.worker import StepFailed, Worker
@@ -92,8 +92,9 @@ class EngineCore:
         draft_dir = draft_model_dir(config.speculative_config, self.model_config.vocab_size,
                                     dtype_name)
         int8 = int8_activations_asked(int8, config.dtype, dtype, device)
+        kv = kv_cache_dtype_asked(config.cache.kv_cache_dtype, config.dtype, dtype, device)
         self.worker = Worker(RunnerSpec.from_config(self.config.flat(), dtype=dtype_name,
-                                                    int8_activations=int8,
+                                                    int8_activations=int8, kv_cache_dtype=kv,
                                                     model_dir=str(self.model_dir),
                                                     draft_model_dir=draft_dir,
                                                     fit_max_model_len=config.max_model_len is None,

@@ -136,7 +136,13 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     (plus a measurement of this machine's peaks when asked)."""
     import torch
 
-    from gpu.dtypes import DTYPES, choose_dtype, resolve_device, resolve_kv_dtype
+    from gpu.dtypes import (
+        DTYPES,
+        choose_dtype,
+        kv_cache_dtype_asked,
+        resolve_device,
+        resolve_kv_dtype,
+    )
     from models import gguf_blocks
     from models.resolve import resolve_model
 
@@ -158,7 +164,8 @@ def offline_plan(config: EngineConfig, device_memory: int | None = None,
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = resolve_max_model_len(model_config, config.max_model_len)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype_asked(config.cache.kv_cache_dtype, config.dtype,
+                                                     dtype, device), dtype, device)
     kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
     # A GGUF's layers on CPU are served from the file's blocks, no dense copy beside them.
     served = device.type == "cpu" and config.flat()["cpu_quantized_matmul"]
