@@ -52,14 +52,18 @@ def test_codes_times_their_super_blocks_are_the_float32_scales():
 @pytest.mark.skipif(KERNELS is None, reason="C++ CPU kernels not built here")
 def test_pairs_written_without_panel_levels_are_those_written_beside_them():
     """A layer that keeps no panel levels gets its pairs straight from the file's bytes
-    (`q4_k_pairs`), rows reordered as llama's q and k are, the last panel partial."""
+    (`q4_k_pairs`, super-block by super-block), in two parts as q and k stack: the
+    second from row 32, its rows reordered as llama's q and k are, its last panel
+    partial and filled with zeros."""
     n, k = 72, 512
     with_levels, raw = read_q4_k(n, k, seed=7)
-    order = np.random.default_rng(8).permutation(n)  # source row of each output row
+    order = np.random.default_rng(8).permutation(n - 32)  # the second part's source rows
     pairs = torch.full_like(with_levels.dot, 7)
     codes = tuple(torch.full_like(t, 7) for t in with_levels.codes)
-    KERNELS.gguf_repack_panels_("Q4_K", torch.from_numpy(raw[np.argsort(order)]),
-                                torch.from_numpy(order), None, None, None, pairs, *codes, 0)
+    for part, rows, row0 in ((raw[:32], None, 0), (raw[32:][np.argsort(order)], order, 32)):
+        KERNELS.gguf_repack_panels_("Q4_K", torch.from_numpy(np.ascontiguousarray(part)),
+                                    None if rows is None else torch.from_numpy(rows), None,
+                                    None, None, pairs, *codes, row0)
     assert torch.equal(pairs, with_levels.dot)
     assert all(torch.equal(a, b) for a, b in zip(codes, with_levels.codes, strict=True))
 

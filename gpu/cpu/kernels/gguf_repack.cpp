@@ -157,6 +157,36 @@ void transpose_panel(const uint8_t* rows, int64_t cols, uint8_t* panel) {
     }
 }
 
+// A Q4_K panel whose layer keeps only the dot pairs, the codes and the supers (a bf16
+// or int8 layer's whole load): super-block by super-block, its 32 rows in turn, so that
+// the stores of one super-block's pairs, codes and supers fill their lines one after
+// another. Row by row (the general loop below), each store lands 128 bytes past the one
+// before and a line is filled over 16 rows' passes. Rows from `rows` on are zeros.
+void q4_k_panel(const uint8_t* const* row_at, int64_t rows, int64_t K, uint32_t* dot,
+                uint8_t* codes, float* supers) {
+  for (int64_t b = 0; b < K / kQK; ++b)
+    for (int64_t n = 0; n < 32; ++n) {
+      uint8_t* c = codes + b * 16 * 32 + n;  // [blocks][2][32]: scale, then min
+      float* s = supers + b * 2 * 32 + n;    // [super-blocks][2][32]: d, then -dmin
+      if (n >= rows) {
+        for (int i = 0; i < 8 * 4; ++i) dot[(b * 32 + i) * 32 + n] = 0;
+        for (int i = 0; i < 16; ++i) c[i * 32] = 0;
+        s[0] = s[32] = 0.0f;
+        continue;
+      }
+      const uint8_t* x = row_at[n] + b * 144;
+      q4_k_pairs(x, b, dot + n, 32);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k_scale_min(x + 4, j, &sc, &mn);
+        c[(2 * j) * 32] = static_cast<uint8_t>(sc);
+        c[(2 * j + 1) * 32] = static_cast<uint8_t>(mn);
+      }
+      s[0] = f16(x);
+      s[32] = -f16(x + 2);
+    }
+}
+
 }  // namespace
 
 // The same rewrite written straight into the kernels' panel layout (gpu/cpu/
@@ -228,6 +258,16 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
     std::vector<uint8_t> row_codes(cp ? C : 0);
     for (int64_t local = begin; local < end; ++local) {
       const int64_t p = row0 / 32 + local;
+      if (type_name == "Q4_K" && dp && cp && !lp && !sp) {
+        const uint8_t* row_at[32];
+        for (int64_t n = 0; n < 32 && local * 32 + n < N; ++n) {
+          const int64_t r = local * 32 + n;
+          row_at[n] = src + (order ? order[r] : r) * raw.size(1);
+        }
+        q4_k_panel(row_at, std::min<int64_t>(32, N - local * 32), K,
+                   dp + p * (K / 32) * 4 * 32, cp + p * C * 32, up + p * U * 32);
+        continue;
+      }
       for (int64_t n = 0; n < 32; ++n) {
         const int64_t r = local * 32 + n;
         uint8_t* q = rows_q.data() + (lp ? n * cols : 0);

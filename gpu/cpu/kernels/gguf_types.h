@@ -16,6 +16,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __SSE4_1__
+#include <immintrin.h>
+#endif
+
 namespace gguf_types {
 
 inline constexpr int kQK = 256;  // weights per K-quant super-block
@@ -81,10 +85,33 @@ inline uint32_t pack_nibbles(uint32_t bytes) {
 // Q4_K's levels of super-block b straight into the dot kernel's pairs (quant_linear_bf16.cpp
 // `q4_1_dot_pairs`: per block and chunk c, k = 4c + i + 16 in the low half and k = 4c + i
 // in the high one, nibble i), one output's dword every `stride` dwords: for a layer that
-// keeps no panel levels, with no nibble-pair bytes in between.
+// keeps no panel levels, with no nibble-pair bytes in between. With SSE4.1 a sub-block's
+// four dwords come from one byte shuffle: its 32 levels paired into 16 bytes (level 2i
+// low, 2i + 1 high), dword c being pair bytes 8 + 2c, 9 + 2c, 2c, 2c + 1.
 inline void q4_k_pairs(const uint8_t* x, int64_t b, uint32_t* out, int64_t stride) {
   const uint8_t* qs = x + 16;
+#ifdef __SSE4_1__
+  const __m128i nibble = _mm_set1_epi8(0x0F), low_byte = _mm_set1_epi16(0x00FF);
+  const __m128i order = _mm_setr_epi8(8, 9, 0, 1, 10, 11, 2, 3, 12, 13, 4, 5, 14, 15, 6, 7);
   for (int s = 0; s < 8; ++s) {  // sub-block s = 2 * run + half: run's nibbles of one half
+    const int run = s / 2, shift = 4 * (s % 2);
+    const auto levels = [&](int at) {  // 16 levels of the sub-block, from byte `at`
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * run + at));
+      return _mm_and_si128(_mm_srli_epi16(v, shift), nibble);
+    };
+    const auto pairs = [&](__m128i v) {  // 16 levels into 8 bytes, 2i | 2i + 1 << 4
+      return _mm_and_si128(_mm_or_si128(v, _mm_srli_epi16(v, 4)), low_byte);
+    };
+    const __m128i dwords = _mm_shuffle_epi8(_mm_packus_epi16(pairs(levels(0)), pairs(levels(16))),
+                                            order);
+    uint32_t* o = out + (b * 8 + s) * 4 * stride;
+    o[0] = static_cast<uint32_t>(_mm_cvtsi128_si32(dwords));
+    o[stride] = static_cast<uint32_t>(_mm_extract_epi32(dwords, 1));
+    o[2 * stride] = static_cast<uint32_t>(_mm_extract_epi32(dwords, 2));
+    o[3 * stride] = static_cast<uint32_t>(_mm_extract_epi32(dwords, 3));
+  }
+#else
+  for (int s = 0; s < 8; ++s) {
     const int run = s / 2, shift = 4 * (s % 2);
     for (int c = 0; c < 4; ++c) {
       uint32_t first, second;  // levels k = 4c .. 4c + 3 and k = 4c + 16 .. 4c + 19
@@ -94,6 +121,7 @@ inline void q4_k_pairs(const uint8_t* x, int64_t b, uint32_t* out, int64_t strid
                                             pack_nibbles((first >> shift) & 0x0F0F0F0Fu) << 16;
     }
   }
+#endif
 }
 
 // Q4_K: levels into r.q where it is given (else only the scales and codes).
