@@ -2,12 +2,15 @@
 linear's kernels side by side per row count, as the model holds them.
 
     RIDGELINE_CPU_ISA=avx512 python benchmarks/cpu_int8_rows_ab.py GGUF
-        [--rows 1,2,3,4,8,16,64,256] [--reps 5] [--out OUT.json]
+        [--rows 1,2,3,4,8,16,64,256] [--reps 5] [--x-dtype bfloat16] [--out OUT.json]
 
 The engine loads the file as it serves it (default flags), and on its model thread each
 `PackedLinear` of layer 0 and the LM head is called through every kernel it holds
 blocks for: the bf16 dot-product kernel (Q4_1 layers, where the CPU has AVX512-BF16),
-the blocks' exact kernel and the int8 kernel (`quant_linear_int8.cpp`), same bf16 x.
+the blocks' exact kernel and the int8 kernel (`quant_linear_int8.cpp`), same x: bf16,
+or float32 (`--x-dtype float32`) as the layers see it where `auto` serves float32 (AVX2).
+A kernel that cannot read the layer's layout (the exact kernel on a Q4_K layer held as
+pairs alone, on AVX2) is left out of that layer's row.
 Per row count the kernels take turns, `reps` rounds, the median kept; the table gives
 ms per call, GMAC/s, and int8's time over the best exact kernel's. `gpu/cpu/routing.py`
 `INT8_MIN_ROWS` is the row count from which int8 wins on every layer.
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("gguf")
     ap.add_argument("--rows", default="1,2,3,4,8,16,64,256")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--x-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -71,12 +75,15 @@ def main() -> None:
         results = []
         for name, m in layers:
             for rows in rows_list:
-                x = torch.randn(rows, m.in_features).bfloat16()
+                x = torch.randn(rows, m.in_features).to(getattr(torch, a.x_dtype))
                 ks = kernels(m, rows)
                 samples = {k: [] for k in ks}
                 for _ in range(a.reps):
-                    for k, (op, args) in ks.items():
-                        samples[k].append(time_call(op, x, args, 3))
+                    for k, (op, args) in list(ks.items()):
+                        try:
+                            samples[k].append(time_call(op, x, args, 3))
+                        except RuntimeError:  # this layout is not the kernel's here
+                            del ks[k], samples[k]
                 ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
                 results.append({"layer": name, "format": m.quantized.format,
                                 "N": m.out_features, "K": m.in_features, "rows": rows,
@@ -90,12 +97,13 @@ def main() -> None:
         macs = r["rows"] * r["N"] * r["K"]
         cells = " ".join(f"{r['ms'][k]:7.3f} {macs / r['ms'][k] / 1e6:6.1f}G"
                          if k in r["ms"] else f"{'-':>16s}" for k in ("dot", "exact", "int8"))
-        exact = min(v for k, v in r["ms"].items() if k != "int8")
-        ratio = f"{r['ms']['int8'] / exact:.2f}" if "int8" in r["ms"] else "-"
+        exact = [v for k, v in r["ms"].items() if k != "int8"]
+        ratio = f"{r['ms']['int8'] / min(exact):.2f}" if "int8" in r["ms"] and exact else "-"
         print(f"{r['layer']:36s} {r['format']:6s} {r['rows']:5d} {cells}  {ratio}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"host": describe(), "isa_cap": os.environ.get("RIDGELINE_CPU_ISA", "native"),
+                       "x_dtype": a.x_dtype,
                        "gguf": a.gguf, "threads": torch.get_num_threads(),
                        "results": results}, f, indent=1)
 
