@@ -157,13 +157,14 @@ void transpose_panel(const uint8_t* rows, int64_t cols, uint8_t* panel) {
     }
 }
 
-// A Q4_K panel whose layer keeps only the dot pairs, the codes and the supers (a bf16
-// or int8 layer's whole load): super-block by super-block, its 32 rows in turn, so that
-// the stores of one super-block's pairs, codes and supers fill their lines one after
-// another. Row by row (the general loop below), each store lands 128 bytes past the one
-// before and a line is filled over 16 rows' passes. Rows from `rows` on are zeros.
-void q4_k_panel(const uint8_t* const* row_at, int64_t rows, int64_t K, uint32_t* dot,
-                uint8_t* codes, float* supers) {
+// A Q4_K panel whose layer keeps only the dot pairs, the codes and the supers (where
+// the dot, AMX or int8 kernels take its every call): super-block by super-block, its 32
+// rows in turn, so that the stores of one super-block's pairs, codes and supers fill
+// their lines one after another. Row by row (the general loop below), each store lands
+// 128 bytes past the one before and a line is filled over 16 rows' passes. Rows from
+// `rows` on are zeros; `block_bytes`: a Q4_K super-block's bytes in the file.
+void q4_k_panel(const uint8_t* const* row_at, int64_t rows, int64_t K, int64_t block_bytes,
+                uint32_t* dot, uint8_t* codes, float* supers) {
   for (int64_t b = 0; b < K / kQK; ++b)
     for (int64_t n = 0; n < 32; ++n) {
       uint8_t* c = codes + b * 16 * 32 + n;  // [blocks][2][32]: scale, then min
@@ -174,7 +175,7 @@ void q4_k_panel(const uint8_t* const* row_at, int64_t rows, int64_t K, uint32_t*
         s[0] = s[32] = 0.0f;
         continue;
       }
-      const uint8_t* x = row_at[n] + b * 144;
+      const uint8_t* x = row_at[n] + b * block_bytes;
       q4_k_pairs(x, b, dot + n, 32);
       for (int j = 0; j < 8; ++j) {
         int sc, mn;
@@ -218,7 +219,8 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   const bool nibbles = is(type, "q4_1"), coded = is(type, "q8_16");
   // Bytes of a row's levels in the panel: q8_16's packed to 6 bits.
   const int64_t panel_cols = coded ? K / 32 * kPacked6 : cols;
-  const std::optional<at::Tensor>* first = scales ? &scales : levels ? &levels : dot ? &dot : &codes;
+  const std::optional<at::Tensor>* first =
+      scales ? &scales : levels ? &levels : dot ? &dot : &codes;
   TORCH_CHECK(first->has_value(), op, ": nothing to write");
   const int64_t S = scale_count(type, K), P = (*first)->size(0);
   const int64_t* order = row_order(source_rows, N, op);
@@ -264,7 +266,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
           const int64_t r = local * 32 + n;
           row_at[n] = src + (order ? order[r] : r) * raw.size(1);
         }
-        q4_k_panel(row_at, std::min<int64_t>(32, N - local * 32), K,
+        q4_k_panel(row_at, std::min<int64_t>(32, N - local * 32), K, type.bytes,
                    dp + p * (K / 32) * 4 * 32, cp + p * C * 32, up + p * U * 32);
         continue;
       }
