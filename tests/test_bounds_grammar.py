@@ -64,12 +64,14 @@ def grammars(srv) -> GrammarService:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs: not gone, and not a zombie (gone for our purposes). A process
+    reaped between the signal and the read of its stat is gone too."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
-        return f.read().split(") ")[1][0] != "Z"
 
 
 def wait_quiet(srv) -> None:
