@@ -53,6 +53,13 @@ def cpu_auto_dtype() -> tuple[torch.dtype, str]:
                            "with int8 activations unless --no-int8-activations)")
 
 
+def auto_serves_float32(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `--dtype auto` (`name`) resolved to float32 on a CPU: a CPU without bf16
+    arithmetic, where float32 was not asked for, so the defaults below may trade some of
+    its exactness as bf16 does elsewhere."""
+    return name == "auto" and device.type == "cpu" and dtype == torch.float32
+
+
 def int8_activations_asked(asked: bool | None, name: str, dtype: torch.dtype,
                            device: torch.device) -> bool | None:
     """`--int8-activations` as the model thread takes it: as asked where it was; unset,
@@ -65,8 +72,7 @@ def int8_activations_asked(asked: bool | None, name: str, dtype: torch.dtype,
     float32` asks for the exact path, so it stays exact."""
     if asked is not None:
         return asked
-    return None if name == "auto" and device.type == "cpu" and dtype == torch.float32 \
-        else False
+    return None if auto_serves_float32(name, dtype, device) else False
 
 
 def kv_cache_dtype_asked(name: str, dtype_name: str, dtype: torch.dtype,
@@ -80,8 +86,7 @@ def kv_cache_dtype_asked(name: str, dtype_name: str, dtype: torch.dtype,
     trades"). `--dtype float32` keeps the cache float32."""
     if name != "auto":
         return name
-    auto_float32 = dtype_name == "auto" and device.type == "cpu" and dtype == torch.float32
-    return "bfloat16" if auto_float32 else "auto"
+    return "bfloat16" if auto_serves_float32(dtype_name, dtype, device) else "auto"
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

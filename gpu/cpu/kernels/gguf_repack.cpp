@@ -217,6 +217,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
   const int64_t N = raw.size(0), blocks = raw.size(1) / type.bytes;
   const int64_t K = blocks * type.weights, cols = level_bytes(type, K);
   const bool nibbles = is(type, "q4_1"), coded = is(type, "q8_16");
+  const bool is_q4_k = type_name == "Q4_K";
   // Bytes of a row's levels in the panel: q8_16's packed to 6 bits.
   const int64_t panel_cols = coded ? K / 32 * kPacked6 : cols;
   const std::optional<at::Tensor>* first =
@@ -260,7 +261,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
     std::vector<uint8_t> row_codes(cp ? C : 0);
     for (int64_t local = begin; local < end; ++local) {
       const int64_t p = row0 / 32 + local;
-      if (type_name == "Q4_K" && dp && cp && !lp && !sp) {
+      if (is_q4_k && dp && cp && !lp && !sp) {
         const uint8_t* row_at[32];
         for (int64_t n = 0; n < 32 && local * 32 + n < N; ++n) {
           const int64_t r = local * 32 + n;
@@ -274,7 +275,7 @@ void gguf_repack_panels_(const std::string& type_name, const at::Tensor& raw,
         const int64_t r = local * 32 + n;
         uint8_t* q = rows_q.data() + (lp ? n * cols : 0);
         // A Q4_K row whose layer keeps only the pairs: written straight from the file.
-        const bool direct = r < N && dp && !lp && type_name == "Q4_K";
+        const bool direct = r < N && dp && !lp && is_q4_k;
         if (r < N) {
           const uint8_t* row = src + (order ? order[r] : r) * raw.size(1);
           const Row out{direct ? nullptr : q, coded ? nullptr : d.data(),
