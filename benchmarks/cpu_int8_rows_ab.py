@@ -1,5 +1,6 @@
 """Where int8 x pays on a CPU without AMX: a GGUF model's first layer and LM head, each
-linear's kernels side by side per row count, as the model holds them.
+linear's kernels side by side per row count, as the model holds them (and, on a CPU with
+AMX, the tile kernels' rate per row count: a prompt's calls of many rows).
 
     RIDGELINE_CPU_ISA=avx512 python benchmarks/cpu_int8_rows_ab.py GGUF
         [--rows 1,2,3,4,8,16,64,256] [--reps 5] [--x-dtype bfloat16] [--out OUT.json]
@@ -7,12 +8,14 @@ linear's kernels side by side per row count, as the model holds them.
 The engine loads the file as it serves it (default flags), and on its model thread each
 `PackedLinear` of layer 0 and the LM head is called through every kernel it holds
 blocks for: the bf16 dot-product kernel (Q4_1 layers, where the CPU has AVX512-BF16),
-the blocks' exact kernel and the int8 kernel (`quant_linear_int8.cpp`), same x: bf16,
-or float32 (`--x-dtype float32`) as the layers see it where `auto` serves float32 (AVX2).
+the blocks' exact kernel, the int8 kernel (`quant_linear_int8.cpp`) and, where the
+layer holds it, the AMX kernel (`quant_linear_amx_table.cpp`, `quant_linear_amx.cpp`);
+the same x: bf16, or float32 (`--x-dtype float32`) as the layers see it where `auto`
+serves float32 (AVX2).
 A kernel that cannot read the layer's layout (the exact kernel on a Q4_K layer held as
 pairs alone, on AVX2) is left out of that layer's row.
 Per row count the kernels take turns, `reps` rounds, the median kept; the table gives
-ms per call, GMAC/s, and int8's time over the best exact kernel's. `gpu/cpu/routing.py`
+ms per call, GMAC/s, and int8's time over the best other kernel's. `gpu/cpu/routing.py`
 `INT8_MIN_ROWS` is the row count from which int8 wins on every layer.
 """
 
@@ -31,6 +34,7 @@ from app.llm import LLM
 from gpu.cpu.linear import PackedLinear
 
 DOT_MAX_ROWS = 4  # the dot-product kernel takes at most this many rows
+KERNELS = ("dot", "exact", "int8", "amx")
 
 
 def kernels(m: PackedLinear, rows: int) -> dict:
@@ -46,6 +50,8 @@ def kernels(m: PackedLinear, rows: int) -> dict:
         out["exact"] = (exact_op, m._quantized_args)
     if int8_op is not None:
         out["int8"] = (int8_op, m._quantized_args)
+    if m._amx_op is not None:
+        out["amx"] = (m._amx_op, m._amx_args)
     return out
 
 
@@ -92,13 +98,13 @@ def main() -> None:
 
     results = engine.worker.call(run).result()
     print(f"{'layer':36s} {'fmt':6s} {'rows':>5s} " + " ".join(
-        f"{k:>16s}" for k in ("dot", "exact", "int8")) + "  int8/best exact")
+        f"{k:>16s}" for k in KERNELS) + "  int8/best other")
     for r in results:
         macs = r["rows"] * r["N"] * r["K"]
         cells = " ".join(f"{r['ms'][k]:7.3f} {macs / r['ms'][k] / 1e6:6.1f}G"
-                         if k in r["ms"] else f"{'-':>16s}" for k in ("dot", "exact", "int8"))
-        exact = [v for k, v in r["ms"].items() if k != "int8"]
-        ratio = f"{r['ms']['int8'] / min(exact):.2f}" if "int8" in r["ms"] and exact else "-"
+                         if k in r["ms"] else f"{'-':>16s}" for k in KERNELS)
+        others = [v for k, v in r["ms"].items() if k != "int8"]
+        ratio = f"{r['ms']['int8'] / min(others):.2f}" if "int8" in r["ms"] and others else "-"
         print(f"{r['layer']:36s} {r['format']:6s} {r['rows']:5d} {cells}  {ratio}")
     if a.out:
         with open(a.out, "w") as f:

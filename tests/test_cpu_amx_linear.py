@@ -72,6 +72,17 @@ def test_random_rows_are_the_bf16_product(rows):
     assert torch.equal(amx(wide[:, :576], q), got)
 
 
+def test_rows_in_chunks_are_each_rows_own_product():
+    """A prompt's many rows go in chunks, so that x's transposed rows stay in L2 while
+    every panel reads them (K = 2048: chunks of 256 rows): each row's result is the one
+    it gets alone, across the chunks' seams and the last, short chunk."""
+    q, _ = q4_1(40, 2048, seed=7)
+    x = torch.randn(600, 2048, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = amx(x, q)
+    alone = torch.cat([amx(x[i:i + 30], q) for i in range(0, 600, 30)])
+    assert torch.equal(got, alone)
+
+
 def test_bad_inputs_are_refused():
     q, _ = q4_1(64, 64, seed=0)
     with pytest.raises(RuntimeError, match="bfloat16"):

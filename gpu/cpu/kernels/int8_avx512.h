@@ -23,6 +23,16 @@
 
 namespace quant::int8_avx512 {
 
+// Per panel, a call's blocks go in spans of kSpanBlocks (1024 k), each span's half panel
+// read by every row tile in turn: a few KB (a Q4_K's pairs; a Q8_16's unpacked ~22 KB)
+// that stay in L1 across the tiles, where a whole half panel of a long K (an MLP's down
+// projection: K = 8192 or more) would not, and every tile would stream it from L2 again.
+// While a span's tiles run, its first tile asks L2 for the next span's weights (one span
+// on in memory order: the panel's next blocks, or the next panel's first), so that the
+// weights stream from memory under the tiles' arithmetic rather than between it: a
+// decode step of a few sequences reads a 4 GB model's weights from memory at every step.
+constexpr int64_t kSpanBlocks = 32;
+
 // Lanes of half h that exist when the panel has `cols` outputs.
 inline __mmask16 half_mask(int half, int64_t cols) {
   __mmask16 masks[2];
@@ -58,25 +68,29 @@ inline __m512i broadcast4(const int8_t* q) {
   return _mm512_set1_epi32(v);
 }
 
-// Q8_16 for the int8 tiles: each thread unpacks a panel once (`unpack_q8_16_panel`, at
-// its first tile) into a buffer of its own, per block `Q8_16Panel::kBytes`: the levels as
-// vpdpbusd reads them, [8 groups of 4 k][32 outputs][4 k] (signed: level - 32), so that a
-// tile loads each group's 16 outputs with one load; then per half of the panel (16
-// outputs) three float32 vectors: the scales of k 0-15 and 16-31 (code * super) and
-// 128 * (sum(q_w) over k 0-15 * the first + over k 16-31 * the second), what x's
-// offset (its levels stored + 128, vpdpbusd's unsigned side) adds to the scaled sums.
+// Q8_16 for the int8 tiles: each thread unpacks a panel's span of blocks once
+// (`unpack_q8_16_panel`, before the span's first tile) into a buffer of its own (a span's,
+// ~45 KB), per block `Q8_16Panel::kBytes`: the levels as vpdpbusd reads them, [8 groups
+// of 4 k][32 outputs][4 k] (signed: level - 32), so that a tile loads each group's 16
+// outputs with one load; then per half of the panel (16 outputs) three float32 vectors:
+// the scales of k 0-15 and 16-31 (code * super) and 128 * (sum(q_w) over k 0-15 * the
+// first + over k 16-31 * the second), what x's offset (its levels stored + 128,
+// vpdpbusd's unsigned side) adds to the scaled sums.
 struct Q8_16Panel {
   static constexpr int64_t kLevels = kBlock * kPanel;
   static constexpr int64_t kBytes = kLevels + 2 * 3 * 64;
 };
 
-inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int8_t* panel) {
+// Blocks [b0, b1) of panel p; the next span's levels asked of L2 meanwhile (codes and
+// supers are a few lines a span: the hardware's prefetch keeps up with them).
+inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int64_t b0, int64_t b1,
+                               int8_t* panel) {
   const __m512i index[2] = {gather_index(0), gather_index(1)};
   const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t b = 0; b < w.K / kBlock; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const int64_t g = w.global(p, b);
-    int8_t* dst = panel + b * Q8_16Panel::kBytes;
-    const int64_t ahead = g + Q8_16::kReadAhead;  // past the layer's last block: harmless
+    int8_t* dst = panel + (b - b0) * Q8_16Panel::kBytes;
+    const int64_t ahead = g + kSpanBlocks;  // past the layer's last block: harmless
     for (int64_t line = 0; line < Q8_16::kPackedBytes / 64; ++line)
       prefetch::t1(w.qs, ahead * Q8_16::kPackedBytes + 64 * line);
     __m512i wsum[2][2] = {};  // [half][k 0-15, 16-31]: each output's sum of its levels
@@ -123,7 +137,7 @@ inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0,
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
   for (int64_t b = x.b0; b < x.b1; ++b) {
-    const int8_t* blk = panel + b * Q8_16Panel::kBytes;
+    const int8_t* blk = panel + (b - x.b0) * Q8_16Panel::kBytes;
     const float* f = reinterpret_cast<const float*>(blk + Q8_16Panel::kLevels + half * 3 * 64);
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xd = x.d + b * x.M + r0;

@@ -84,6 +84,7 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xd = x.d + b * x.M + r0;
     const float* xsum = x.sum + b * x.M + r0;
+    if (half == 0) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
     __m512i dot[T];
     block_dots<T>(q, xq, dot);
     __m512 d, m;
@@ -122,6 +123,7 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
     const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + 16 * half;
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xsum = x.sum + b * x.M + r0;
+    if (half == 0) w.sc.read_ahead<true>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
     __m512i dot[T];
     block_dots<T>(q, xq, dot);
     __m512 d, m;

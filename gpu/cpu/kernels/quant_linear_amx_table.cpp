@@ -195,13 +195,12 @@ inline void prefetch_block(const uint32_t* q, const quant::Q4_1Scales& sc, int64
     for (int64_t o = 0; o < kPanel * 4; o += 64) prefetch::t0(s, g * kPanel * 4 + o);
 }
 
-void amx_linear(const at::Tensor& x, const uint32_t* q, const quant::Q4_1Scales& sc,
-                int64_t K, int64_t N, at::Tensor& out) {
-  const int64_t M = x.size(0), blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
+// M rows of x (row stride xs) against every panel, into out_ptr's M rows.
+void amx_rows(const c10::BFloat16* x, int64_t M, int64_t xs, const uint32_t* q,
+              const quant::Q4_1Scales& sc, int64_t K, int64_t N, c10::BFloat16* out_ptr) {
+  const int64_t blocks = K / kBlock, panels = (N + kPanel - 1) / kPanel;
   const int64_t tiles = (M + kTile - 1) / kTile;
-  const std::unique_ptr<uint32_t[]> xt =
-      transposed_x(x.const_data_ptr<c10::BFloat16>(), M, x.stride(0), K);
-  c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  const std::unique_ptr<uint32_t[]> xt = transposed_x(x, M, xs, K);
   constexpr int64_t kSlot = kPanel * 32;  // one block's A tiles (uint16)
   // A panel's blocks: a ring of slots in L1 where one pass of two x tiles covers the
   // rows, else the whole panel, widened in the first pass and read by the later ones.
@@ -274,6 +273,27 @@ void amx_linear(const at::Tensor& x, const uint32_t* q, const quant::Q4_1Scales&
     }
     _tile_release();
   });
+}
+
+// x's transposed rows that every panel's passes read stay in L2 where they fit in
+// kChunkBytes: rows in chunks of that many (at least kMinChunk, a multiple of two x
+// tiles), each widening the panels again. Whole, a prompt's rows (1664 rows of K = 4096:
+// 13 MB) come from L3 at every panel, and the tile unit waits on them; where even
+// kMinChunk rows do not fit (an MLP's down projection, K = 14336), chunks would only add
+// widening, and the rows go whole (`benchmarks/cpu_int8_rows_ab.py --rows 128,1664`).
+constexpr int64_t kChunkBytes = int64_t{1} << 20, kMinChunk = 128;
+
+void amx_linear(const at::Tensor& x, const uint32_t* q, const quant::Q4_1Scales& sc,
+                int64_t K, int64_t N, at::Tensor& out) {
+  const int64_t M = x.size(0), row_bytes = K * 2;
+  const int64_t chunk = kMinChunk * row_bytes > kChunkBytes
+                            ? M
+                            : kChunkBytes / row_bytes / (2 * kTile) * (2 * kTile);
+  const c10::BFloat16* x_ptr = x.const_data_ptr<c10::BFloat16>();
+  c10::BFloat16* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  for (int64_t c0 = 0; c0 < M; c0 += chunk)
+    amx_rows(x_ptr + c0 * x.stride(0), std::min(chunk, M - c0), x.stride(0), q, sc, K, N,
+             out_ptr + c0 * N);
 }
 
 }  // namespace

@@ -164,54 +164,59 @@ using avx2::tile_q4_1;
 using avx2::tile_q8_0;
 #endif
 
-// Rows in chunks of at most kRowChunk, each parallel over panels, the chunk's rows in
-// tiles of equal size, at most kMaxRows (what the tile's registers hold). Chunking keeps
-// the rows' levels (K bytes a row) in L2 while every panel reads them: unchunked, a long
-// prefill's levels (megabytes in all) would come from L3 once per panel half.
+// Rows in chunks of at most kRowChunk, each quantized on its own (`quantize`: x's rows ->
+// Int8Rows) and multiplied in parallel over panels, the chunk's rows in tiles of equal
+// size, at most kMaxRows (what the tile's registers hold). Chunking keeps the rows' levels
+// (K bytes a row) in L2 while every panel reads them: unchunked, a long prefill's levels
+// (megabytes in all) would come from L3 once per panel half. Quantized per chunk, a
+// chunk's levels are one run of memory (block b's rows kRowChunk * 32 bytes after block
+// b - 1's): quantized whole, a tile's blocks lie M * 32 bytes apart, and at some M (1280,
+// 1664: a step that prefills a dozen 128-token prompts) the calls ran markedly slower per
+// row than at 256 (`benchmarks/cpu_int8_rows_ab.py --rows 256,1664`, capped to AVX-512).
 constexpr int64_t kRowChunk = 256;
 #ifdef RIDGELINE_INT8_AVX512
-// And per panel, its blocks in spans of kSpanBlocks (1024 k), each span's half panel
-// read by every row tile in turn: a few KB (Q4_1's pairs; a Q8_16's unpacked ~22 KB) that
-// stay in L1 across the tiles, where a whole half panel of a long K (an MLP's down
-// projection: K = 8192) would not, and every tile would stream it from L2 again.
-constexpr int64_t kSpanBlocks = 32;
+// And per panel, its blocks in spans of kSpanBlocks (int8_avx512.h).
 #endif
 
-// Called at each panel before its tiles (Q8_16 unpacks it there); by default nothing.
+// Called at each span of a panel's blocks, [b0, b1), before its tiles (Q8_16 unpacks the
+// span there); by default nothing.
 struct NoPanel {
-  void operator()(int64_t) const {}
+  void operator()(int64_t, int64_t, int64_t) const {}
 };
 
-template <int kMaxRows = kInt8Tile, typename W, typename Tile, typename Panel = NoPanel>
-void int8_linear(const W& w, const Int8Rows& x, const Sums& out, Tile&& tile,
-                 Panel&& panel = {}) {
+template <int kMaxRows = kInt8Tile, typename W, typename Quantize, typename Tile,
+          typename Panel = NoPanel>
+void int8_linear(const W& w, const at::Tensor& x_rows, Quantize&& quantize, const Sums& out,
+                 Tile&& tile, Panel&& panel = {}) {
   const int64_t N = out.N;
-  const int64_t M = x.M, panels = (N + kPanel - 1) / kPanel;
+  const int64_t M = x_rows.size(0), panels = (N + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * w.K));
   for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
     const int64_t rows = std::min(kRowChunk, M - c0),
                   tiles = (rows + kMaxRows - 1) / kMaxRows,
                   tile_rows = (rows + tiles - 1) / tiles;
+    const Int8Rows x = quantize(x_rows.narrow(0, c0, rows));  // the chunk's rows, from 0
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<float> buffer;  // a panel's sums for bf16 x
       if (out.f32 == nullptr) buffer.resize(kRowChunk * kPanel);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, N - p * kPanel);
-        // Row r0's sums at sums + (r0 - c0) * os.
+        // The chunk's row r's sums at sums + r * os.
         float* sums = out.f32 != nullptr ? out.f32 + c0 * N + p * kPanel : buffer.data();
         const int64_t os = out.f32 != nullptr ? N : kPanel;
-        panel(p);
 #ifdef RIDGELINE_INT8_AVX512
         for (int64_t b0 = 0; b0 < x.blocks; b0 += kSpanBlocks) {
           const Int8Span span(x, b0, std::min(x.blocks, b0 + kSpanBlocks));
+          panel(p, span.b0, span.b1);
 #else
         {
           const Int8Rows& span = x;
+          panel(p, 0, x.blocks);
 #endif
           for (int half = 0; half < 2 && half_used(half, cols); ++half)
-            for (int64_t r0 = c0; r0 < c0 + rows; r0 += tile_rows)
-              with_rows<kMaxRows>(std::min(tile_rows, c0 + rows - r0), [&](auto T) {
-                tile(T, w, p, half, span, r0, sums + (r0 - c0) * os, os, cols);
+            for (int64_t r0 = 0; r0 < rows; r0 += tile_rows)
+              with_rows<kMaxRows>(std::min(tile_rows, rows - r0), [&](auto T) {
+                tile(T, w, p, half, span, r0, sums + r0 * os, os, cols);
               });
         }
         if (out.f32 == nullptr)
@@ -274,16 +279,17 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
     return result(x, N, [&](const Sums& out) {
       using int8_pairs::tile_pairs;
       if (sc.d != nullptr) {
-        int8_linear(w, quantize_rows(x, true), out,
+        int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, true); }, out,
                     [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
         return;
       }
 #ifdef RIDGELINE_INT8_AVX512  // a Q4_K's codes: x scaled per super-block
       using int8_pairs::kSuperBlocks, int8_pairs::kSuperTile, int8_pairs::tile_pairs_super;
-      int8_linear<kSuperTile>(w, quantize_rows<kSuperBlocks>(x, true), out,
+      int8_linear<kSuperTile>(
+          w, x, [](const at::Tensor& c) { return quantize_rows<kSuperBlocks>(c, true); }, out,
           [](auto T, auto&&... a) { tile_pairs_super<decltype(T)::value>(a...); });
 #else
-      int8_linear(w, quantize_rows(x, true), out,
+      int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, true); }, out,
                   [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
 #endif
     });
@@ -297,7 +303,7 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
 #ifdef RIDGELINE_INT8
     const Q4_1 w{qweight.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
                  mins.const_data_ptr<float>(), x.size(1)};
-    int8_linear(w, quantize_rows(x, false), out,
+    int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, false); }, out,
                 [](auto T, auto&&... args) { tile_q4_1<decltype(T)::value>(args...); });
 #endif
   });
@@ -312,16 +318,16 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
   return result(x, N, [&](const Sums& out) {
 #ifdef RIDGELINE_INT8
     const Q8_0 w{qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), x.size(1)};
-    int8_linear(w, quantize_rows(x, false), out,
+    int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, false); }, out,
                 [](auto T, auto&&... args) { tile_q8_0<decltype(T)::value>(args...); });
 #endif
   });
 }
 
 // Q8_16's levels, codes and supers as q8_16_blocks.h lays them out. AVX-512: each thread
-// unpacks a panel once (at its first tile) into a buffer of its own, in vpdpbusd's order
-// with its scales (int8_avx512.h `unpack_q8_16_panel`); AVX2: rows two at a time from the
-// packed blocks (int8_avx2.h).
+// unpacks a panel's span of blocks once (before its first tile) into a buffer of its own,
+// in vpdpbusd's order with its scales (int8_avx512.h `unpack_q8_16_panel`); AVX2: rows two
+// at a time from the packed blocks (int8_avx2.h).
 at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
                              const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
   const char* op = "q8_16_linear_int8";
@@ -333,13 +339,14 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
 #ifdef RIDGELINE_INT8_AVX512
     // Each thread's panel, unpacked (64-byte aligned: the tile loads it so).
     static thread_local std::vector<__m512i> panel;
-    int8_linear<kQ8_16Tile>(w, quantize_rows(x, false, true), out,
+    int8_linear<kQ8_16Tile>(
+        w, x, [](const at::Tensor& c) { return quantize_rows(c, false, true); }, out,
         [](auto T, const Q8_16&, int64_t, auto&&... a) {
           tile_q8_16<decltype(T)::value>(reinterpret_cast<const int8_t*>(panel.data()), a...);
         },
-        [&](int64_t p) {
-          panel.resize(w.K / kBlock * Q8_16Panel::kBytes / 64);
-          unpack_q8_16_panel(w, p, reinterpret_cast<int8_t*>(panel.data()));
+        [&](int64_t p, int64_t b0, int64_t b1) {
+          panel.resize(kSpanBlocks * Q8_16Panel::kBytes / 64);
+          unpack_q8_16_panel(w, p, b0, b1, reinterpret_cast<int8_t*>(panel.data()));
         });
 #elif defined(RIDGELINE_INT8)
     const Int8Rows rows = quantize_rows(x, false);
