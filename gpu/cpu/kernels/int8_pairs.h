@@ -100,25 +100,27 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
 // A K-quant's super-blocks hold 8 blocks: x quantized per super-block (one scale per
 // 256 k) lets a tile scale each block's integer sums by the weights' scale alone.
 constexpr int64_t kSuperBlocks = 8;
-// The rows a super-block tile takes at most: its sums so far, each super-block's partial
-// sum and each block's integer sums per row stay in the 32 registers.
-constexpr int kSuperTile = 8;
+// The rows a super-block tile takes at most: each super-block's partial sum and each
+// block's integer sums per row stay in the 32 registers, the sums so far in memory.
+constexpr int kSuperTile = 12;
 
 // As `tile_pairs` for a Q4_K's pairs and codes, x quantized per super-block
 // (`quantize_rows<kSuperBlocks>`, as llama.cpp's Q8_K): per block and row its integer
 // sums converted and scaled by the block's weight scale into the super-block's partial
-// sum, which x's scale multiplies once per super-block; the mins' term per block with
-// x's exact sum, as `tile_pairs`. Per block and row three vector operations besides the
-// dot products, where `tile_pairs` takes four (x's scale differs per block there). The
-// span's blocks are whole super-blocks (int8_linear's spans of 32 blocks, a Q4_K's K a
-// multiple of 256).
+// sum, and the mins' term added there with x's exact sum over x's scale (`Int8Rows`); x's
+// scale multiplies the partial sum into `out` once per super-block. Per block and row
+// three vector operations besides the dot products, where `tile_pairs` takes four (x's
+// scale differs per block there), and with the sums so far in memory (a load and a store
+// per super-block and row) the registers hold 12 rows, not 8: the block's weights
+// unpacked once for more rows. The span's blocks are whole super-blocks (int8_linear's
+// spans of 32 blocks, a Q4_K's K a multiple of 256).
 template <int T, typename Rows>
 inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x, int64_t r0,
                              float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
   const int64_t blocks = w.K / kBlock;
-  __m512 acc[T], part[T];
-  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  __m512 part[T];
+  bool summed = !x.first;  // whether `out` holds sums of earlier blocks
   for (int64_t b = x.b0; b < x.b1; ++b) {
     const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + 16 * half;
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
@@ -132,14 +134,18 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
     for (int t = 0; t < T; ++t) {
       const __m512 scaled = _mm512_cvtepi32_ps(dot[t]);
       part[t] = opens ? _mm512_mul_ps(scaled, d) : _mm512_fmadd_ps(scaled, d, part[t]);
-      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), acc[t]);
+      part[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), part[t]);
     }
     if (b % kSuperBlocks == kSuperBlocks - 1) {
       const float* xd = x.d + b * x.M + r0;  // the super-block's scale, each block's d
-      for (int t = 0; t < T; ++t) acc[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), acc[t]);
+      for (int t = 0; t < T; ++t) {
+        float* o = out + t * os + 16 * half;
+        const __m512 sums = summed ? _mm512_maskz_loadu_ps(mask, o) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), sums));
+      }
+      summed = true;
     }
   }
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
 }  // namespace int8_pairs
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -23,7 +23,9 @@
 namespace quant {
 
 // x's rows quantized per block of 32, block-major so that a tile's rows sit at fixed
-// offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M].
+// offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M]
+// (quantized per super-block, `quantize_rows<8>`: each sum over its super-block's scale,
+// 0 where that is 0, which the tile multiplies back with its partial sum).
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -119,7 +121,8 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
         if (offset) q = _mm256_xor_si256(q, flip);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + at * kBlock), q);
         r.d[at] = d;
-        r.sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        r.sum[at] = G == 1 ? sum : sum * inv;
       }
 #endif
     }
