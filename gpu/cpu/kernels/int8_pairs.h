@@ -77,6 +77,7 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
                        int64_t r0, float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
   const int64_t blocks = w.K / kBlock;
+  const bool leads = half == 0 && r0 == 0;  // the span's first tile: reads the next ahead
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
   for (int64_t b = x.b0; b < x.b1; ++b) {
@@ -84,7 +85,7 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xd = x.d + b * x.M + r0;
     const float* xsum = x.sum + b * x.M + r0;
-    if (half == 0) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
+    if (leads) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
     __m512i dot[T];
     block_dots<T>(q, xq, dot);
     __m512 d, m;
@@ -119,13 +120,14 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
                              float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
   const int64_t blocks = w.K / kBlock;
+  const bool leads = half == 0 && r0 == 0;  // the span's first tile: reads the next ahead
   __m512 part[T];
   bool summed = !x.first;  // whether `out` holds sums of earlier blocks
   for (int64_t b = x.b0; b < x.b1; ++b) {
     const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + 16 * half;
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xsum = x.sum + b * x.M + r0;
-    if (half == 0) w.sc.read_ahead<true>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
+    if (leads) w.sc.read_ahead<true>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
     __m512i dot[T];
     block_dots<T>(q, xq, dot);
     __m512 d, m;
