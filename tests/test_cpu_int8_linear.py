@@ -133,7 +133,7 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
     with the file's scale codes (`q4_1_pairs.h`): the int8 kernel reads them (x's levels
     in the pairs' order, `int8_pairs.h`) with float32 scales to the same bits as the
     panels, and with the codes as the reference of x scaled per super-block of 256 k
-    where the kernel does so (AVX-512: `int8_q4_k_x_blocks`, as llama.cpp's Q8_K)."""
+    where the kernel does so (AVX-512: `int8_k_quant_x_blocks`, as llama.cpp's Q8_K)."""
     from tests.test_cpu_q4_k_codes import read_q4_k
 
     n = 72
@@ -146,7 +146,7 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
     scales, mins = (t.permute(0, 2, 1).reshape(-1, k // BLOCK)[:n] for t in blocks.tensors[1:])
     wide = KERNELS.q4_1_linear_int8(x.float(), *blocks.tensors, n)  # bf16: its rounding
     assert_matches(wide, reference(x.float(), levels, scales, mins))
-    group = KERNELS.int8_q4_k_x_blocks()
+    group = KERNELS.int8_k_quant_x_blocks()
     if group == 1:
         assert torch.equal(coded, want)
         return
@@ -166,7 +166,8 @@ def test_int8_reads_the_pairs_as_it_reads_the_panels(m, dtype, k) -> None:
 @pytest.mark.parametrize("k", [512, 2560])  # 2560: the blocks in three spans (the last short)
 def test_int8_q8_16_matches_reference(m, type_name, k) -> None:
     """Q8_16 (a Q6_K's or Q3_K's levels, a scale per 16): the integer sums per half block
-    exact, each scaled by its own scale; x's bf16 rounded once as the others'."""
+    exact, each scaled by its own scale, x scaled per super-block where the kernel does
+    so (`int8_k_quant_x_blocks`); x's bf16 rounded once as the others'."""
     from tests.test_gguf_types import random_blocks, rewritten
 
     n = 70
@@ -174,9 +175,10 @@ def test_int8_q8_16_matches_reference(m, type_name, k) -> None:
     panels = PanelBlocks.of(q)
     x = torch.randn(m, k)
     out = KERNELS.q8_16_linear_int8(x, *panels.tensors, n)
-    assert_matches(out, reference(x, q.dequantize(), torch.ones(n, k // BLOCK)))
+    group = KERNELS.int8_k_quant_x_blocks()
+    assert_matches(out, reference(x, q.dequantize(), torch.ones(n, k // BLOCK), group=group))
     exact = x @ q.dequantize().T
-    assert 1e-5 < ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    assert 1e-5 < ((out - exact).abs().max() / exact.abs().max()).item() < 3e-2
     xb = x.bfloat16()
     assert torch.equal(KERNELS.q8_16_linear_int8(xb, *panels.tensors, n),
                        KERNELS.q8_16_linear_int8(xb.float(), *panels.tensors, n).bfloat16())

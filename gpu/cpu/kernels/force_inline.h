@@ -9,3 +9,7 @@
 #pragma once
 
 #define RIDGELINE_INLINE inline __attribute__((always_inline))
+
+// The other way round: a function kept out of its caller whatever GCC's heuristics say
+// (quant_linear_int8.cpp's tiles of fewer rows than the most, `tile_apart`).
+#define RIDGELINE_NOINLINE __attribute__((noinline))

@@ -5,15 +5,16 @@
 //
 // Q8_16: per panel its blocks' 6-bit levels are unpacked once into a thread's buffer,
 // already in vpdpbusd's [output][4 k] order with the block's scales beside them, which
-// every row tile of the panel then reads: x's levels made unsigned (+128, once, as they
-// are quantized) against the signed weights, the integer sums exact per half block (16
-// k), each converted and scaled by its own scale (code * super) once, and what the
-// offset adds, 128 * sum(q_w) scaled alike, taken off in float32 once per block.
+// every row tile of the panel then reads: the levels stored + 32 (unsigned) against x's
+// signed levels, the integer sums exact per half block (16 k) once x's share of the + 32
+// is taken off (it starts them), each converted and scaled by its own scale (code *
+// super) once.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#include "force_inline.h"
 #include "prefetch.h"
 #include "q8_16_blocks.h"
 #include "quant_blocks.h"
@@ -70,15 +71,13 @@ inline __m512i broadcast4(const int8_t* q) {
 
 // Q8_16 for the int8 tiles: each thread unpacks a panel's span of blocks once
 // (`unpack_q8_16_panel`, before the span's first tile) into a buffer of its own (a span's,
-// ~45 KB), per block `Q8_16Panel::kBytes`: the levels as vpdpbusd reads them, [8 groups
-// of 4 k][32 outputs][4 k] (signed: level - 32), so that a tile loads each group's 16
-// outputs with one load; then per half of the panel (16 outputs) three float32 vectors:
-// the scales of k 0-15 and 16-31 (code * super) and 128 * (sum(q_w) over k 0-15 * the
-// first + over k 16-31 * the second), what x's offset (its levels stored + 128,
-// vpdpbusd's unsigned side) adds to the scaled sums.
+// ~40 KB), per block `Q8_16Panel::kBytes`: the levels as vpdpbusd reads them, [8 groups
+// of 4 k][32 outputs][4 k], stored as level + 32 (0-63: the unsigned operand, x's levels
+// the signed one), so that a tile loads each group's 16 outputs with one load; then per
+// half of the panel (16 outputs) the scales of k 0-15 and 16-31 (code * super, float32).
 struct Q8_16Panel {
   static constexpr int64_t kLevels = kBlock * kPanel;
-  static constexpr int64_t kBytes = kLevels + 2 * 3 * 64;
+  static constexpr int64_t kBytes = kLevels + 2 * 2 * 64;
 };
 
 // Blocks [b0, b1) of panel p; the next span's levels asked of L2 meanwhile (codes and
@@ -86,80 +85,85 @@ struct Q8_16Panel {
 inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int64_t b0, int64_t b1,
                                int8_t* panel) {
   const __m512i index[2] = {gather_index(0), gather_index(1)};
-  const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t g = w.global(p, b);
     int8_t* dst = panel + (b - b0) * Q8_16Panel::kBytes;
     const int64_t ahead = g + kSpanBlocks;  // past the layer's last block: harmless
     for (int64_t line = 0; line < Q8_16::kPackedBytes / 64; ++line)
       prefetch::t1(w.qs, ahead * Q8_16::kPackedBytes + 64 * line);
-    __m512i wsum[2][2] = {};  // [half][k 0-15, 16-31]: each output's sum of its levels
     __m512i even;  // rows 4j, 4j + 1 until rows 4j + 2, 4j + 3 come
-    Q8_16::unpack_steps(w.qs + g * Q8_16::kPackedBytes, [&](int v, __m512i rows) {
+    Q8_16::unpack_steps<false>(w.qs + g * Q8_16::kPackedBytes, [&](int v, __m512i rows) {
       if (v % 2 == 0) {
         even = rows;
         return;
       }
       const int j = v / 2;  // rows 4j .. 4j + 3 in registers: `gather_group`'s bytes
-      for (int half = 0; half < 2; ++half) {
-        const __m512i lv = _mm512_permutex2var_epi8(even, index[half], rows);
-        _mm512_store_si512(dst + j * 2 * 64 + half * 64, lv);
-        wsum[half][j / 4] = _mm512_dpbusd_epi32(wsum[half][j / 4], ones, lv);
-      }
+      for (int half = 0; half < 2; ++half)
+        _mm512_store_si512(dst + j * 2 * 64 + half * 64,
+                           _mm512_permutex2var_epi8(even, index[half], rows));
     });
     for (int half = 0; half < 2; ++half) {
       const float* supers = w.supers + (g / 8) * kPanel + 16 * half;
-      const __m512 s0 = Q8_16::scales16(w.codes + 2 * g * kPanel + 16 * half, supers);
-      const __m512 s1 = Q8_16::scales16(w.codes + (2 * g + 1) * kPanel + 16 * half, supers);
-      const __m512 offset = _mm512_mul_ps(
-          _mm512_set1_ps(128.f),
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(wsum[half][1]), s1,
-                          _mm512_mul_ps(_mm512_cvtepi32_ps(wsum[half][0]), s0)));
-      float* f = reinterpret_cast<float*>(dst + Q8_16Panel::kLevels + half * 3 * 64);
-      _mm512_store_ps(f, s0);
-      _mm512_store_ps(f + 16, s1);
-      _mm512_store_ps(f + 32, offset);
+      float* f = reinterpret_cast<float*>(dst + Q8_16Panel::kLevels + half * 2 * 64);
+      _mm512_store_ps(f, Q8_16::scales16(w.codes + 2 * g * kPanel + 16 * half, supers));
+      _mm512_store_ps(f + 16, Q8_16::scales16(w.codes + (2 * g + 1) * kPanel + 16 * half, supers));
     }
   }
 }
 
-// The rows a Q8_16 tile takes at most: per row its sums of both halves of a block and
-// its accumulator stay in registers.
-constexpr int kQ8_16Tile = 8;
+// A K-quant's super-blocks hold 8 blocks of 32 k; x quantized per super-block (one scale
+// per 256 k, as llama.cpp's Q8_K) lets a tile multiply by x's scale once per super-block.
+constexpr int64_t kSuperBlocks = 8;
 
-// T rows of x (levels from row r0, stored as q + 128) against half `half` of a Q8_16
-// panel unpacked by `unpack_q8_16_panel` into `panel`. Per block and row: the two halves'
-// integer sums, each converted and scaled once, the offset taken off, times x's scale.
+// The rows a Q8_16 tile takes at most: per row its integer sums of the block's half and
+// its super-block's partial sum stay in registers, the sums so far in memory.
+constexpr int kQ8_16Tile = 12;
+
+// T rows of x (levels from row r0, per super-block, with `Int8Rows.bias16`) against half
+// `half` of a Q8_16 panel unpacked by `unpack_q8_16_panel` into `panel`. Per half block
+// and row: the integer sums start at x's bias (-32 * the sum of its 16 levels: what the
+// weights' + 32 adds), so they end exact, sum(level * q_x); each is converted and scaled
+// by its own scale into the super-block's partial sum, which x's scale multiplies into
+// `out` once. Per half block and row two vector operations besides the four dot
+// products (the bias is a load).
 template <int T, typename Rows>
-inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0, float* out,
-                       int64_t os, int64_t cols) {
+inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0,
+                       float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = half_mask(half, cols);
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = sums_so_far(x, out + t * os + 16 * half, mask);
+  __m512 part[T];
+  bool summed = !x.first;  // whether `out` holds sums of earlier blocks
   for (int64_t b = x.b0; b < x.b1; ++b) {
     const int8_t* blk = panel + (b - x.b0) * Q8_16Panel::kBytes;
-    const float* f = reinterpret_cast<const float*>(blk + Q8_16Panel::kLevels + half * 3 * 64);
+    const float* f = reinterpret_cast<const float*>(blk + Q8_16Panel::kLevels + half * 2 * 64);
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d + b * x.M + r0;
-    __m512i dot[T];
-    __m512 part[T];
+    if (b % kSuperBlocks == 0)
+      for (int t = 0; t < T; ++t) part[t] = _mm512_setzero_ps();
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // k = 16h .. 16h + 15
-      for (int t = 0; t < T; ++t) dot[t] = _mm512_setzero_si512();
+      const int32_t* bias = x.bias16 + (2 * b + h) * x.M + r0;
+      __m512i dot[T];
+      for (int t = 0; t < T; ++t) dot[t] = _mm512_set1_epi32(bias[t]);
 #pragma GCC unroll 4
-      for (int j = 4 * h; j < 4 * h + 4; ++j) {
+      for (int i = 0; i < 4; ++i) {  // group j of 4 k (fully unrolled: the sums in registers)
+        const int j = 4 * h + i;
         const __m512i lv = _mm512_load_si512(blk + j * 2 * 64 + half * 64);
         for (int t = 0; t < T; ++t)
-          dot[t] = _mm512_dpbusd_epi32(dot[t], broadcast4(xq + t * kBlock + 4 * j), lv);
+          dot[t] = _mm512_dpbusd_epi32(dot[t], lv, broadcast4(xq + t * kBlock + 4 * j));
       }
-      const __m512 scale = _mm512_load_ps(f + 16 * h), offset = _mm512_load_ps(f + 32);
+      const __m512 scale = _mm512_load_ps(f + 16 * h);
       for (int t = 0; t < T; ++t)
-        part[t] = h == 0 ? _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[t]), scale, offset)
-                         : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, part[t]);
+        part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, part[t]);
     }
-    for (int t = 0; t < T; ++t)
-      acc[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), acc[t]);
+    if (b % kSuperBlocks == kSuperBlocks - 1) {
+      const float* xd = x.d + b * x.M + r0;  // the super-block's scale, each block's d
+      for (int t = 0; t < T; ++t) {
+        float* o = out + t * os + 16 * half;
+        const __m512 sums = summed ? _mm512_maskz_loadu_ps(mask, o) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), sums));
+      }
+      summed = true;
+    }
   }
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
 
 }  // namespace quant::int8_avx512

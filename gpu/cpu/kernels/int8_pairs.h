@@ -98,9 +98,7 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
 
-// A K-quant's super-blocks hold 8 blocks: x quantized per super-block (one scale per
-// 256 k) lets a tile scale each block's integer sums by the weights' scale alone.
-constexpr int64_t kSuperBlocks = 8;
+using int8_avx512::kSuperBlocks;  // x's blocks per scale against a K-quant
 // The rows a super-block tile takes at most: each super-block's partial sum and each
 // block's integer sums per row stay in the 32 registers, the sums so far in memory.
 constexpr int kSuperTile = 12;

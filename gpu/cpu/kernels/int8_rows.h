@@ -25,10 +25,13 @@ namespace quant {
 // x's rows quantized per block of 32, block-major so that a tile's rows sit at fixed
 // offsets from one pointer: levels [K/32][M][32], scales and exact sums [K/32][M]
 // (quantized per super-block, `quantize_rows<8>`: each sum over its super-block's scale,
-// 0 where that is 0, which the tile multiplies back with its partial sum).
+// 0 where that is 0, which the tile multiplies back with its partial sum); for a Q8_16
+// tile (`q8_16_bias`), -32 times each 16 levels' sum [K/16][M], what its weights stored as
+// level + 32 add to the integer sums (int8_avx512.h `tile_q8_16`).
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
+  std::vector<int32_t> bias16;
   int64_t M = 0, blocks = 0;
 };
 
@@ -39,24 +42,25 @@ struct Int8Rows {
 struct Int8Span {
   const int8_t* q;
   const float *d, *sum;
+  const int32_t* bias16;
   int64_t M, b0, b1;
   bool first;
   Int8Span(const Int8Rows& r, int64_t b0_, int64_t b1_)
-      : q(r.q.data()), d(r.d.data()), sum(r.sum.data()), M(r.M), b0(b0_), b1(b1_),
-        first(b0_ == 0) {}
+      : q(r.q.data()), d(r.d.data()), sum(r.sum.data()), bias16(r.bias16.data()), M(r.M),
+        b0(b0_), b1(b1_), first(b0_ == 0) {}
 };
 #endif
 
 // Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
 // and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
-// `kPairOrder` for the pairs; `offset`: stored as q + 128 (unsigned bits), for a tile that
-// puts x on vpdpbusd's unsigned side. `kSuperBlocks` blocks per scale (AVX-512 only): 1,
+// `kPairOrder` for the pairs; `q8_16_bias` (AVX-512 only): with `Int8Rows.bias16`.
+// `kSuperBlocks` blocks per scale (AVX-512 only): 1,
 // or 8 for a tile against a K-quant's super-blocks of 256 k (int8_pairs.h
-// `tile_pairs_super`), as llama.cpp's Q8_K: max|x| over the 256, each block's `d` that
+// `tile_pairs_super`, int8_avx512.h `tile_q8_16`), as llama.cpp's Q8_K: max|x| over the 256, each block's `d` that
 // scale; the sums stay per block and exact.
 template <int kSuperBlocks = 1>
-inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset = false) {
+inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_bias = false) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* src = bf16 ? nullptr : x.const_data_ptr<float>();
@@ -67,9 +71,11 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
   r.q.resize(M * K);
   r.d.resize(M * r.blocks);
   r.sum.resize(M * r.blocks);
+  if (q8_16_bias) r.bias16.resize(M * r.blocks * 2);
   constexpr int64_t G = kSuperBlocks, kValues = G * kBlock;
 #ifndef RIDGELINE_INT8_ROWS_AVX512
   static_assert(G == 1, "AVX2 quantizes x per block of 32");
+  TORCH_CHECK(!q8_16_bias, "quantize_rows: a Q8_16 bias is AVX-512's");
 #endif
   // Item i: row t's group of G blocks from block b = G * (i / M).
   at::parallel_for(0, M * (r.blocks / G), 256 / G, [&](int64_t begin, int64_t end) {
@@ -101,8 +107,6 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
         std::memcpy(k_order, q, kBlock);
         for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
       }
-      if (offset)
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
 #else
       __m512 amax = _mm512_setzero_ps();
       for (int64_t j = 0; j < kValues; j += 16)
@@ -118,7 +122,14 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool offset 
                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)))),
             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, scale))), 1);
         if (pair_order) q = _mm256_permutexvar_epi8(order, q);  // q[j] = k order's [order[j]]
-        if (offset) q = _mm256_xor_si256(q, flip);
+        if (q8_16_bias) {  // each 16 levels' sum: q + 128 as bytes summed by 8, less 16 * 128
+          const __m256i u = _mm256_xor_si256(q, flip);
+          const __m256i by8 = _mm256_sad_epu8(u, _mm256_setzero_si256());
+          const int64_t lo = _mm256_extract_epi64(by8, 0) + _mm256_extract_epi64(by8, 1),
+                        hi = _mm256_extract_epi64(by8, 2) + _mm256_extract_epi64(by8, 3);
+          r.bias16[2 * (b + g) * M + t] = -32 * static_cast<int32_t>(lo - 16 * 128);
+          r.bias16[(2 * (b + g) + 1) * M + t] = -32 * static_cast<int32_t>(hi - 16 * 128);
+        }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + at * kBlock), q);
         r.d[at] = d;
         const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));

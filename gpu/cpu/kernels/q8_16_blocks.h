@@ -84,8 +84,9 @@ struct Q8_16 {
   // The block's levels from `src` as q[j][n] (int8, k = j), two rows a step: `step(v,
   // rows)` gets rows 2v and 2v + 1 (64 bytes) for v = 0..15, in order. Output row pair v
   // takes low nibbles from row pair v % 8 (its high nibbles where v >= 8) and top bits
-  // from top row pair v % 4, field v / 4.
-  template <typename Step>
+  // from top row pair v % 4, field v / 4. `kSigned`: the levels; else level + 32 (0-63,
+  // as stored: an unsigned vpdpbusd operand, int8_avx512.h).
+  template <bool kSigned = true, typename Step>
   static RIDGELINE_INLINE void unpack_steps(const uint8_t* src, Step&& step) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), low6 = _mm512_set1_epi8(0x3F);
     const __m512i bias = _mm512_set1_epi8(32);
@@ -103,7 +104,7 @@ struct Q8_16 {
                                     : _mm512_srli_epi16(t, 2);
       // Bits 0-3 from low, 4-7 from high (0xCA: low4 ? low : high), then 6 bits kept.
       const __m512i u = _mm512_and_si512(_mm512_ternarylogic_epi32(low4, low, high, 0xCA), low6);
-      step(v, _mm512_sub_epi8(u, bias));
+      step(v, kSigned ? _mm512_sub_epi8(u, bias) : u);
     }
   }
   // The block's levels into q[j][n] in memory (1 KB).

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "entry_points.h"
+#include "force_inline.h"
 #include "int8_avx512.h"
 #include "int8_pairs.h"
 #include "int8_rows.h"
@@ -178,14 +179,26 @@ constexpr int64_t kRowChunk = 256;
 // And per panel, its blocks in spans of kSpanBlocks (int8_avx512.h).
 #endif
 
+// A Q8_16 tile of fewer rows than the most (a decode step's rows, a chunk's last tile),
+// in a function of its own per row count (`int8_linear`'s `kApart`). Inlined into
+// `int8_linear`'s lambda beside every other row count's copy, GCC kept the full tile's
+// sums in registers but spilled an 8-row tile's (a decode step of 16 users) to the stack;
+// out of line each is compiled alone, and such calls run quicker. The other kernels'
+// tiles ran slower out of line, and stay inlined (`benchmarks/cpu_int8_rows_ab.py` times
+// a layer's calls per row count).
+template <typename Tile, typename... Args>  // the arguments copied: a few pointers
+RIDGELINE_NOINLINE void tile_apart(const Tile& tile, Args... args) {
+  tile(args...);
+}
+
 // Called at each span of a panel's blocks, [b0, b1), before its tiles (Q8_16 unpacks the
 // span there); by default nothing.
 struct NoPanel {
   void operator()(int64_t, int64_t, int64_t) const {}
 };
 
-template <int kMaxRows = kInt8Tile, typename W, typename Quantize, typename Tile,
-          typename Panel = NoPanel>
+template <int kMaxRows = kInt8Tile, bool kApart = false, typename W, typename Quantize,
+          typename Tile, typename Panel = NoPanel>
 void int8_linear(const W& w, const at::Tensor& x_rows, Quantize&& quantize, const Sums& out,
                  Tile&& tile, Panel&& panel = {}) {
   const int64_t N = out.N;
@@ -216,7 +229,10 @@ void int8_linear(const W& w, const at::Tensor& x_rows, Quantize&& quantize, cons
           for (int half = 0; half < 2 && half_used(half, cols); ++half)
             for (int64_t r0 = 0; r0 < rows; r0 += tile_rows)
               with_rows<kMaxRows>(std::min(tile_rows, rows - r0), [&](auto T) {
-                tile(T, w, p, half, span, r0, sums + r0 * os, os, cols);
+                if constexpr (!kApart || decltype(T)::value == kMaxRows)
+                  tile(T, w, p, half, span, r0, sums + r0 * os, os, cols);
+                else
+                  tile_apart(tile, T, w, p, half, span, r0, sums + r0 * os, os, cols);
               });
         }
         if (out.f32 == nullptr)
@@ -339,8 +355,9 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
 #ifdef RIDGELINE_INT8_AVX512
     // Each thread's panel, unpacked (64-byte aligned: the tile loads it so).
     static thread_local std::vector<__m512i> panel;
-    int8_linear<kQ8_16Tile>(
-        w, x, [](const at::Tensor& c) { return quantize_rows(c, false, true); }, out,
+    int8_linear<kQ8_16Tile, true>(
+        w, x, [](const at::Tensor& c) { return quantize_rows<kSuperBlocks>(c, false, true); },
+        out,
         [](auto T, const Q8_16&, int64_t, auto&&... a) {
           tile_q8_16<decltype(T)::value>(reinterpret_cast<const int8_t*>(panel.data()), a...);
         },
@@ -381,11 +398,11 @@ bool int8_linear_supported() {
 #endif
 }
 
-// The blocks of 32 k that share one scale of x in a Q4_K layer's int8 calls (its pairs
-// with codes): a super-block's 8 on AVX-512, else 1.
-int64_t int8_q4_k_x_blocks() {
+// The blocks of 32 k that share one scale of x in a K-quant layer's int8 calls (a Q4_K's
+// pairs with codes, Q8_16): a super-block's 8 on AVX-512, else 1.
+int64_t int8_k_quant_x_blocks() {
 #ifdef RIDGELINE_INT8_AVX512
-  return int8_pairs::kSuperBlocks;
+  return kSuperBlocks;
 #else
   return 1;
 #endif
@@ -396,8 +413,8 @@ int64_t int8_q4_k_x_blocks() {
 TORCH_LIBRARY_FRAGMENT(ridgeline_cpu, m) {
   m.def("int8_linear_supported() -> bool");
   m.impl("int8_linear_supported", c10::DispatchKey::CatchAll, TORCH_FN(int8_linear_supported));
-  m.def("int8_q4_k_x_blocks() -> int");
-  m.impl("int8_q4_k_x_blocks", c10::DispatchKey::CatchAll, TORCH_FN(int8_q4_k_x_blocks));
+  m.def("int8_k_quant_x_blocks() -> int");
+  m.impl("int8_k_quant_x_blocks", c10::DispatchKey::CatchAll, TORCH_FN(int8_k_quant_x_blocks));
   m.def("q4_1_linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int N) -> Tensor");
   m.def("q8_0_linear_int8(Tensor x, Tensor qweight, Tensor scales, int N) -> Tensor");
   m.impl("q4_1_linear_int8", c10::DispatchKey::CPU, TORCH_FN(kernels::q4_1_linear_int8));
