@@ -25,7 +25,7 @@
 namespace quant::int8_avx512 {
 
 // Per panel, a call's blocks go in spans of kSpanBlocks (1024 k), each span's half panel
-// read by every row tile in turn: a few KB (a Q4_K's pairs; a Q8_16's unpacked ~22 KB)
+// read by every row tile in turn: a few KB (a Q4_K's pairs; a Q8_16's unpacked ~20 KB)
 // that stay in L1 across the tiles, where a whole half panel of a long K (an MLP's down
 // projection: K = 8192 or more) would not, and every tile would stream it from L2 again.
 // While a span's tiles run, its first tile asks L2 for the next span's weights (one span
@@ -105,8 +105,9 @@ inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int64_t b0, int64_t b1
     for (int half = 0; half < 2; ++half) {
       const float* supers = w.supers + (g / 8) * kPanel + 16 * half;
       float* f = reinterpret_cast<float*>(dst + Q8_16Panel::kLevels + half * 2 * 64);
-      _mm512_store_ps(f, Q8_16::scales16(w.codes + 2 * g * kPanel + 16 * half, supers));
-      _mm512_store_ps(f + 16, Q8_16::scales16(w.codes + (2 * g + 1) * kPanel + 16 * half, supers));
+      const int8_t* codes = w.codes + 2 * g * kPanel + 16 * half;  // k 0-15, then 16-31
+      _mm512_store_ps(f, Q8_16::scales16(codes, supers));
+      _mm512_store_ps(f + 16, Q8_16::scales16(codes + kPanel, supers));
     }
   }
 }

@@ -55,10 +55,10 @@ struct Int8Span {
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
 // and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
 // `kPairOrder` for the pairs; `q8_16_bias` (AVX-512 only): with `Int8Rows.bias16`.
-// `kSuperBlocks` blocks per scale (AVX-512 only): 1,
-// or 8 for a tile against a K-quant's super-blocks of 256 k (int8_pairs.h
-// `tile_pairs_super`, int8_avx512.h `tile_q8_16`), as llama.cpp's Q8_K: max|x| over the 256, each block's `d` that
-// scale; the sums stay per block and exact.
+// `kSuperBlocks` blocks per scale (AVX-512 only): 1, or 8 for a tile against a K-quant's
+// super-blocks of 256 k (int8_pairs.h `tile_pairs_super`, int8_avx512.h `tile_q8_16`), as
+// llama.cpp's Q8_K: max|x| over the 256, each block's `d` that scale; the sums stay per
+// block and exact.
 template <int kSuperBlocks = 1>
 inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_bias = false) {
   const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
