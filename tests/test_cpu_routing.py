@@ -75,7 +75,8 @@ TABLE = [
     (AVX512_BF16, BF16, "q4_1", False, 3, DOT),
     (AVX512_BF16, BF16, "q4_1", False, 4, B),
     (NO_DOT, BF16, "q4_1", False, 1, B),  # a library built without AVX512-BF16
-    (AMX, BF16, "q8_16", False, 1, DOT),  # a Q6_K's levels: their own dot kernel
+    (AVX512_BF16, BF16, "q8_16", False, 1, DOT),  # a Q6_K's levels: their own dot kernel
+    (AMX, BF16, "q8_16", False, 1, B),  # not on AMX's CPUs: their vdpbf16ps is slower
     (AVX512_BF16, BF16, "q4_1", True, 1, DOT),  # int8 needs a float32 multiply
     (AVX512_BF16, BF16, "q4_1", True, 4, B),
     (AMX, F32, "q4_1", False, 1, B),  # the dot product is for bf16 x only

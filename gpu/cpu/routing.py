@@ -85,8 +85,14 @@ BLOCKS_ONLY_MAX_ROWS = {
 }
 # bf16 with the AVX512-BF16 dot-product kernels: calls of up to this many rows take them
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`,
-# `benchmarks/cpu_int8_rows_ab.py`).
+# `benchmarks/cpu_int8_rows_ab.py`). On a CPU with AMX (Intel's, from Sapphire Rapids on)
+# vdpbf16ps issues every other cycle, with a long latency, where Zen 4 issues one a
+# cycle: there a Q6_K layer's dot kernel (more dot products per byte than Q4_1's) reads
+# its blocks slower than the exact kernel does, and its few rows stay on that one
+# (`BF16_DOT_MAX_ROWS_AMX`; `benchmarks/cpu_int8_rows_ab.py`, one row of an 8B model's
+# layers from memory: `decode_step_profile.py --batch 1`).
 BF16_DOT_MAX_ROWS = {"q4_1": 3, "q8_16": 3}
+BF16_DOT_MAX_ROWS_AMX = {"q4_1": 3}
 # Without AMX, a bf16 model's calls of at least this many rows quantize x to int8
 # (`Route.BLOCKS_INT8`): where there is no tile unit, the exact kernel is bound by its
 # float32 FMAs from a few rows up, and integer dot products (VNNI, or AVX2's
@@ -220,7 +226,8 @@ def plan_routes(layer: LinearLayer, capabilities: CpuCapabilities) -> RoutePlan:
         most = min(most, amx_rows.start - 1)
         if unpacked:  # no dense copy to hand the calls above to
             amx_rows = range(amx_rows.start, sys.maxsize)
-    dot = (min(most, BF16_DOT_MAX_ROWS.get(fmt, 0))
+    dots = BF16_DOT_MAX_ROWS_AMX if capabilities.amx else BF16_DOT_MAX_ROWS
+    dot = (min(most, dots.get(fmt, 0))
            if compute == torch.bfloat16 and capabilities.has(f"{fmt_op}_bf16") else 0)
     int8 = (INT8_MIN_ROWS if capabilities.int8_batches and amx_rows is None
             and layer.dtype == torch.bfloat16 and capabilities.int8 and not few
