@@ -86,11 +86,11 @@ BLOCKS_ONLY_MAX_ROWS = {
 # bf16 with the AVX512-BF16 dot-product kernels: calls of up to this many rows take them
 # (within the blocks' rows above; `benchmarks/cpu_quant_bf16_ab.py`,
 # `benchmarks/cpu_int8_rows_ab.py`). On a CPU with AMX (Intel's, from Sapphire Rapids on)
-# vdpbf16ps issues every other cycle, with a long latency, where Zen 4 issues one a
-# cycle: there a Q6_K layer's dot kernel (more dot products per byte than Q4_1's) reads
-# its blocks slower than the exact kernel does, and its few rows stay on that one
-# (`BF16_DOT_MAX_ROWS_AMX`; `benchmarks/cpu_int8_rows_ab.py`, one row of an 8B model's
-# layers from memory: `decode_step_profile.py --batch 1`).
+# vdpbf16ps issues only every other cycle, with a long latency: there a Q6_K layer's dot
+# kernel (more dot products per byte than Q4_1's) reads its blocks slower than the exact
+# kernel does, and its few rows stay on that one (`BF16_DOT_MAX_ROWS_AMX`;
+# `benchmarks/decode_step_profile.py --batch 1` on an 8B model, whose layers come from
+# memory), where on Zen 4 its dot kernel was the quicker.
 BF16_DOT_MAX_ROWS = {"q4_1": 3, "q8_16": 3}
 BF16_DOT_MAX_ROWS_AMX = {"q4_1": 3}
 # Without AMX, a bf16 model's calls of at least this many rows quantize x to int8
