@@ -10,6 +10,10 @@
 
 #define RIDGELINE_INLINE inline __attribute__((always_inline))
 
-// The other way round: a function kept out of its caller whatever GCC's heuristics say
-// (quant_linear_int8.cpp's tiles of fewer rows than the most, `tile_apart`).
-#define RIDGELINE_NOINLINE __attribute__((noinline))
+// The other way round: `fn(args...)` in a function of its own whatever GCC's heuristics
+// say, compiled apart from its caller's other work (quant_linear_int8.cpp's tiles of
+// fewer rows than the most). The arguments are copied: a few pointers and counts.
+template <typename Fn, typename... Args>
+__attribute__((noinline)) void call_apart(const Fn& fn, Args... args) {
+  fn(args...);
+}

@@ -179,24 +179,16 @@ constexpr int64_t kRowChunk = 256;
 // And per panel, its blocks in spans of kSpanBlocks (int8_avx512.h).
 #endif
 
-// A Q8_16 tile of fewer rows than the most (a decode step's rows, a chunk's last tile),
-// in a function of its own per row count (`int8_linear`'s `kApart`). Inlined into
-// `int8_linear`'s lambda beside every other row count's copy, GCC kept the full tile's
-// sums in registers but spilled an 8-row tile's (a decode step of 16 users) to the stack;
-// out of line each is compiled alone, and such calls run quicker. The other kernels'
-// tiles ran slower out of line, and stay inlined (`benchmarks/cpu_int8_rows_ab.py` times
-// a layer's calls per row count).
-template <typename Tile, typename... Args>  // the arguments copied: a few pointers
-RIDGELINE_NOINLINE void tile_apart(const Tile& tile, Args... args) {
-  tile(args...);
-}
-
 // Called at each span of a panel's blocks, [b0, b1), before its tiles (Q8_16 unpacks the
 // span there); by default nothing.
 struct NoPanel {
   void operator()(int64_t, int64_t, int64_t) const {}
 };
 
+// `kApart`: tiles of fewer rows than the most (a decode step's, a chunk's last) each a
+// function of its own (`call_apart`): inlined beside every other row count's copy, GCC
+// spilled a Q8_16 8-row tile's sums (a step of 16 users) to the stack. Other kernels' tiles
+// ran slower so, and stay inlined (`benchmarks/cpu_int8_rows_ab.py`).
 template <int kMaxRows = kInt8Tile, bool kApart = false, typename W, typename Quantize,
           typename Tile, typename Panel = NoPanel>
 void int8_linear(const W& w, const at::Tensor& x_rows, Quantize&& quantize, const Sums& out,
@@ -232,7 +224,7 @@ void int8_linear(const W& w, const at::Tensor& x_rows, Quantize&& quantize, cons
                 if constexpr (!kApart || decltype(T)::value == kMaxRows)
                   tile(T, w, p, half, span, r0, sums + r0 * os, os, cols);
                 else
-                  tile_apart(tile, T, w, p, half, span, r0, sums + r0 * os, os, cols);
+                  call_apart(tile, T, w, p, half, span, r0, sums + r0 * os, os, cols);
               });
         }
         if (out.f32 == nullptr)
