@@ -116,6 +116,23 @@ inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int64_t b0, int64_t b1
 // per 256 k, as llama.cpp's Q8_K) lets a tile multiply by x's scale once per super-block.
 constexpr int64_t kSuperBlocks = 8;
 
+// Closes the super-block that ends at block b for T rows of a K-quant tile: each row's
+// partial sum times x's scale (each block's `d` is its super-block's) into `out` (the
+// half's first output, row stride os), added to what it holds where `summed` (sums of
+// earlier super-blocks), else written; then `summed`.
+template <int T, typename Rows>
+RIDGELINE_INLINE void add_super_block(const __m512 (&part)[T], const Rows& x, int64_t b,
+                                      int64_t r0, float* out, int64_t os, __mmask16 mask,
+                                      bool& summed) {
+  const float* xd = x.d + b * x.M + r0;
+  for (int t = 0; t < T; ++t) {
+    float* o = out + t * os;
+    const __m512 sums = summed ? _mm512_maskz_loadu_ps(mask, o) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), sums));
+  }
+  summed = true;
+}
+
 // The rows a Q8_16 tile takes at most: per row its integer sums of the block's half and
 // its super-block's partial sum stay in registers, the sums so far in memory.
 constexpr int kQ8_16Tile = 12;
@@ -155,15 +172,8 @@ inline void tile_q8_16(const int8_t* panel, int half, const Rows& x, int64_t r0,
       for (int t = 0; t < T; ++t)
         part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), scale, part[t]);
     }
-    if (b % kSuperBlocks == kSuperBlocks - 1) {
-      const float* xd = x.d + b * x.M + r0;  // the super-block's scale, each block's d
-      for (int t = 0; t < T; ++t) {
-        float* o = out + t * os + 16 * half;
-        const __m512 sums = summed ? _mm512_maskz_loadu_ps(mask, o) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), sums));
-      }
-      summed = true;
-    }
+    if (b % kSuperBlocks == kSuperBlocks - 1)
+      add_super_block<T>(part, x, b, r0, out + 16 * half, os, mask, summed);
   }
 }
 

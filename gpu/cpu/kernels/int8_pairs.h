@@ -136,15 +136,8 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
       part[t] = opens ? _mm512_mul_ps(scaled, d) : _mm512_fmadd_ps(scaled, d, part[t]);
       part[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), part[t]);
     }
-    if (b % kSuperBlocks == kSuperBlocks - 1) {
-      const float* xd = x.d + b * x.M + r0;  // the super-block's scale, each block's d
-      for (int t = 0; t < T; ++t) {
-        float* o = out + t * os + 16 * half;
-        const __m512 sums = summed ? _mm512_maskz_loadu_ps(mask, o) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(part[t], _mm512_set1_ps(xd[t]), sums));
-      }
-      summed = true;
-    }
+    if (b % kSuperBlocks == kSuperBlocks - 1)
+      int8_avx512::add_super_block<T>(part, x, b, r0, out + 16 * half, os, mask, summed);
   }
 }
 }  // namespace int8_pairs
