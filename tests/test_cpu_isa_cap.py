@@ -1,7 +1,7 @@
 """`RIDGELINE_CPU_ISA` caps the CPU path's instruction sets (`gpu/cpu/isa.py`), so that
 one host tests the paths of the CPUs users have: an AVX2-capped process builds AVX2
-kernels, reports no bf16 arithmetic and no AMX, and its quant kernels still give every
-GGUF type's weights bit for bit. The capped build is a library of its own (~1 min to
+kernels, reports no bf16 arithmetic and no AMX, its quant kernels still give every
+GGUF type's weights bit for bit, and its int8 kernels for K-quants match their reference. The capped build is a library of its own (~1 min to
 compile once)."""
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def test_the_avx2_cap_runs_avx2_kernels_exactly():
     assert onednn == "AVX2"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/test_gguf_types.py", "-k", "kernels_give"],
+         "tests/test_gguf_types.py", "tests/test_cpu_int8_linear.py",
+         "-k", "kernels_give or pairs or q8_16"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]

@@ -48,9 +48,10 @@ def test_a_short_switch_interval_ends_the_convoy():
     # The fastest of three: a loaded host (other processes on the cores) only adds time.
     default = min(waits_beside_busy_python(0.005) for _ in range(3))
     short = min(waits_beside_busy_python(SWITCH_INTERVAL_S) for _ in range(3))
-    # Each wait costs about one interval beside the busy thread: 30 x 5 ms vs 30 x 0.5 ms.
+    # Each wait costs about one interval beside the busy thread: 30 x 5 ms vs 30 x 0.5 ms,
+    # a tenth; a host busy with other work stretches the short waits most, so half.
     assert default > WAITS * 0.002, default
-    assert short < default / 3, (short, default)
+    assert short < default / 2, (short, default)
 
 
 def test_the_worker_only_ever_shortens_the_interval():

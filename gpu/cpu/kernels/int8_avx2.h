@@ -43,18 +43,22 @@ namespace quant::avx2 {
 
 constexpr int kInt8Tile = 4;  // x rows per tile: 2 T int sums + 4 levels + 2 x in 16 registers
 
-// One block of 32 floats: levels round-to-even(v / d) with d = max|v| / 127, and sum(v).
-inline void quantize_block(const float* v, int8_t* q, float& d, float& sum) {
+// max|v| over n floats (n a multiple of 32): a block's, or a super-block's where x is
+// scaled per super-block (int8_rows.h `quantize_rows<8>`).
+inline float abs_max(const float* v, int64_t n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8)
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+  return reduce_max8(amax);
+}
+
+// One block of 32 floats as levels round-to-even(v * inv) (cvtps rounds to nearest
+// even); returns sum(v).
+inline float quantize_block(const float* v, float inv, int8_t* q) {
   const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8),
                v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
-  const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0),
-                                                  _mm256_andnot_ps(sign, v1)),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2),
-                                                  _mm256_andnot_ps(sign, v3)));
-  sum = reduce_add8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-  d = reduce_max8(amax) / 127.f;
-  const __m256 scale = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256 scale = _mm256_set1_ps(inv);
   const __m256i i01 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, scale)),
                                          _mm256_cvtps_epi32(_mm256_mul_ps(v1, scale)));
   const __m256i i23 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, scale)),
@@ -63,6 +67,7 @@ inline void quantize_block(const float* v, int8_t* q, float& d, float& sum) {
   const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i01, i23),
                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  return reduce_add8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
 }
 
 // Rows r0..r3 (k = j..j+3) of 32 outputs' bytes as [output][4 k] for half h: outputs
@@ -105,6 +110,14 @@ inline void store8(float* p, int64_t n, __m256 v) {
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _mm256_maskstore_ps(p, lanes, v);
   }
+}
+
+// Lanes [0, n) of 8 at p, the rest 0: store8's counterpart.
+inline __m256 load8(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  if (n <= 0) return _mm256_setzero_ps();
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
 // Whether half h of a panel with `cols` outputs holds any.

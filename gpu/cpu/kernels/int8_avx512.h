@@ -112,10 +112,6 @@ inline void unpack_q8_16_panel(const Q8_16& w, int64_t p, int64_t b0, int64_t b1
   }
 }
 
-// A K-quant's super-blocks hold 8 blocks of 32 k; x quantized per super-block (one scale
-// per 256 k, as llama.cpp's Q8_K) lets a tile multiply by x's scale once per super-block.
-constexpr int64_t kSuperBlocks = 8;
-
 // Closes the super-block that ends at block b for T rows of a K-quant tile: each row's
 // partial sum times x's scale (each block's `d` is its super-block's) into `out` (the
 // half's first output, row stride os), added to what it holds where `summed` (sums of

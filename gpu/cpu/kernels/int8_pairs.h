@@ -98,7 +98,6 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * os + 16 * half, mask, acc[t]);
 }
 
-using int8_avx512::kSuperBlocks;  // x's blocks per scale against a K-quant
 // The rows a super-block tile takes at most: each super-block's partial sum and each
 // block's integer sums per row stay in the 32 registers, the sums so far in memory.
 constexpr int kSuperTile = 12;
@@ -200,6 +199,96 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
       const int64_t n0 = n_first + 8 * v;
       avx2::store8(out + t * os + n0, cols - n0, acc[t][v]);
     }
+}
+
+// The int16 pairs of each dword the 6-bit code of output n0 + j (j = 0..7) at c:
+// vpmaddwd's multiplier for both of the output's int16 sums.
+inline __m256i code_pairs(const uint8_t* c) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b));
+}
+
+// The rows a super-block tile takes at most: a block's int16 sums (T x 2 vectors) and
+// each row's x in the 16 registers, the super-block's int32 sums beside them in memory.
+constexpr int kSuperTile = 4;
+
+// As `tile_pairs` for a Q4_K's pairs and codes, x quantized per super-block
+// (`quantize_rows<kSuperBlocks>`, as llama.cpp's Q8_K). vpmaddwd, which widens a block's
+// int16 sums anyway, multiplies them by each output's 6-bit scale code where the other
+// tiles multiply by ones, so a block is scaled in the integers and its sums added into
+// the super-block's int32 sums, converted once a super-block (as llama.cpp's AVX2 Q4_K
+// dot product does): per block and row two integer operations besides the dot products,
+// where `tile_pairs` takes four in float and the widening. The mins' term (each
+// block's min times x's exact sum over x's scale) and the super-block's d are applied
+// in float as it closes, and x's scale multiplies the result into `out` there. The
+// int32 sums cannot overflow: a block's int16 sums are at most 8 * 2 * 15 * 127 = 30,480,
+// a scaled pair's 2 * 30,480 * 63, eight blocks' 31 million.
+template <int T, typename Rows>
+inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x, int64_t r0,
+                             float* out, int64_t os, int64_t cols) {
+  constexpr int V = T <= 2 ? 4 : 2;  // vectors of 8 outputs a pass, as `tile_pairs`
+  constexpr int64_t kReadAhead = 4;
+  if (V == 4 && half) return;
+  const int64_t n_first = V == 4 ? 0 : 16 * half;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t blocks = w.K / kBlock;
+  for (int64_t s0 = 0; s0 < blocks; s0 += kSuperBlocks) {
+    __m256i acc[T][V];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_si256();
+    for (int64_t b = s0; b < s0 + kSuperBlocks; ++b) {
+      const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + n_first;
+      if (V == 4) w.sc.read_ahead<true>(w.qp, p * blocks + b + kReadAhead);
+      const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
+      __m256i dot[T][V];
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < V; ++v) dot[t][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {  // chunk i / 2, its low nibbles (i even) or high ones
+        __m256i xv[T];
+        for (int t = 0; t < T; ++t) xv[t] = avx2::broadcast4(xq + t * kBlock + 4 * i);
+        for (int v = 0; v < V; ++v) {
+          __m256i wv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i / 2 * kPanel) + v);
+          if (i % 2) wv = _mm256_srli_epi16(wv, 4);
+          wv = _mm256_and_si256(wv, nibble);
+          for (int t = 0; t < T; ++t) {
+            dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(wv, xv[t]));
+            avx2::in_registers(dot[t][v]);
+          }
+        }
+      }
+      const uint8_t* codes = w.sc.codes + (p * blocks + b) * 2 * kPanel + n_first;
+      for (int v = 0; v < V; ++v) {
+        const __m256i scale = code_pairs(codes + 8 * v);
+        for (int t = 0; t < T; ++t)
+          acc[t][v] = _mm256_add_epi32(acc[t][v], _mm256_madd_epi16(dot[t][v], scale));
+      }
+    }
+    const uint8_t* mins = w.sc.codes + (p * blocks + s0) * 2 * kPanel + kPanel + n_first;
+    const float* supers = w.sc.supers + (p * (blocks / kSuperBlocks) + s0 / kSuperBlocks) *
+                          2 * kPanel + n_first;  // d, then -dmin
+    const float* xd = x.d.data() + s0 * x.M + r0;
+    for (int v = 0; v < V; ++v) {
+      const __m256 dmin = _mm256_loadu_ps(supers + kPanel + 8 * v);
+      __m256 part[T];
+      for (int t = 0; t < T; ++t) part[t] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kSuperBlocks; ++j) {
+        const __m256 m = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + j * 2 * kPanel + 8 * v)))));
+        const float* xsum = x.sum.data() + (s0 + j) * x.M + r0;
+        for (int t = 0; t < T; ++t) part[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[t]), part[t]);
+      }
+      const __m256 d = _mm256_loadu_ps(supers + 8 * v);
+      const int64_t n0 = n_first + 8 * v;
+      for (int t = 0; t < T; ++t) {
+        part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][v]), d, part[t]);
+        float* o = out + t * os + n0;
+        const __m256 sums = s0 == 0 ? _mm256_setzero_ps() : avx2::load8(o, cols - n0);
+        avx2::store8(o, cols - n0, _mm256_fmadd_ps(part[t], _mm256_set1_ps(xd[t]), sums));
+      }
+    }
+  }
 }
 
 }  // namespace int8_pairs

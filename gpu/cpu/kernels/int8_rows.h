@@ -74,7 +74,6 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_b
   if (q8_16_bias) r.bias16.resize(M * r.blocks * 2);
   constexpr int64_t G = kSuperBlocks, kValues = G * kBlock;
 #ifndef RIDGELINE_INT8_ROWS_AVX512
-  static_assert(G == 1, "AVX2 quantizes x per block of 32");
   TORCH_CHECK(!q8_16_bias, "quantize_rows: a Q8_16 bias is AVX-512's");
 #endif
   // Item i: row t's group of G blocks from block b = G * (i / M).
@@ -99,13 +98,18 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_b
         v = widened;
       }
 #ifndef RIDGELINE_INT8_ROWS_AVX512
-      const int64_t at = b * M + t;
-      int8_t* q = r.q.data() + at * kBlock;
-      avx2::quantize_block(v, q, r.d[at], r.sum[at]);
-      if (pair_order) {
-        int8_t k_order[kBlock];
-        std::memcpy(k_order, q, kBlock);
-        for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+      const float d = avx2::abs_max(v, kValues) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (b + g) * M + t;
+        int8_t* q = r.q.data() + at * kBlock;
+        const float sum = avx2::quantize_block(v + g * kBlock, inv, q);
+        r.d[at] = d;
+        r.sum[at] = G == 1 ? sum : sum * inv;
+        if (pair_order) {
+          int8_t k_order[kBlock];
+          std::memcpy(k_order, q, kBlock);
+          for (int64_t j = 0; j < kBlock; ++j) q[j] = k_order[kPairOrder[j]];
+        }
       }
 #else
       __m512 amax = _mm512_setzero_ps();

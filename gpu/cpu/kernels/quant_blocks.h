@@ -46,6 +46,10 @@ namespace quant {
 
 constexpr int64_t kBlock = 32;  // weights per block (every format; Q8_16 scales halves)
 constexpr int64_t kPanel = 32;  // output rows per panel: two 16-lane vectors
+// A K-quant's super-blocks hold 8 blocks of 32 k; the int8 kernels quantize x per
+// super-block against them (one scale per 256 k, as llama.cpp's Q8_K), so that a tile
+// multiplies by x's scale once per super-block.
+constexpr int64_t kSuperBlocks = 8;
 // The exact kernels' paths (quant_linear.cpp says why): scales applied per block, not
 // per weight, up to kPerBlockMaxRows x rows; above, weights widened per chunk of kChunk
 // k into an L1 buffer (128 x 32 floats = 16 KB).

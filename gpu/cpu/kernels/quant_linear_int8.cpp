@@ -291,15 +291,11 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
                     [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
         return;
       }
-#ifdef RIDGELINE_INT8_AVX512  // a Q4_K's codes: x scaled per super-block
-      using int8_pairs::kSuperBlocks, int8_pairs::kSuperTile, int8_pairs::tile_pairs_super;
+      // A Q4_K's codes: x scaled per super-block.
+      using int8_pairs::kSuperTile, int8_pairs::tile_pairs_super;
       int8_linear<kSuperTile>(
           w, x, [](const at::Tensor& c) { return quantize_rows<kSuperBlocks>(c, true); }, out,
           [](auto T, auto&&... a) { tile_pairs_super<decltype(T)::value>(a...); });
-#else
-      int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, true); }, out,
-                  [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, true>(a...); });
-#endif
     });
 #else
     TORCH_CHECK(false, op, ": this build has no int8 kernels");
@@ -358,7 +354,7 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
           unpack_q8_16_panel(w, p, b0, b1, reinterpret_cast<int8_t*>(panel.data()));
         });
 #elif defined(RIDGELINE_INT8)
-    const Int8Rows rows = quantize_rows(x, false);
+    const Int8Rows rows = quantize_rows<kSuperBlocks>(x, false);
     const int64_t panels = (N + kPanel - 1) / kPanel;
     // The routing gives AVX2 one or two rows here: a float32 buffer of them is small.
     std::vector<float> buffer(out.f32 != nullptr ? 0 : rows.M * N);
@@ -391,14 +387,8 @@ bool int8_linear_supported() {
 }
 
 // The blocks of 32 k that share one scale of x in a K-quant layer's int8 calls (a Q4_K's
-// pairs with codes, Q8_16): a super-block's 8 on AVX-512, else 1.
-int64_t int8_k_quant_x_blocks() {
-#ifdef RIDGELINE_INT8_AVX512
-  return kSuperBlocks;
-#else
-  return 1;
-#endif
-}
+// pairs with codes, Q8_16): a super-block's 8.
+int64_t int8_k_quant_x_blocks() { return kSuperBlocks; }
 
 }  // namespace
 
