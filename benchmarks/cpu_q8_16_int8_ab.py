@@ -1,8 +1,9 @@
 """A/B of a Q6_K layer's kernels (Q8_16 blocks, `q8_16_blocks.h`) per row count: the exact
-kernel, the int8 one (x quantized per 32) and the unpacked route (the panels widened to
-float32 per call, multiplied by oneDNN), on a 1.7B Q4_K_M's Q6_K shapes, interleaved in
-one process so host noise hits all alike. `routing.INT8_ONLY_MAX_ROWS` reads from it
-which rows the int8 kernel takes where it gains at the fewest only (AVX2).
+kernel, the int8 one (x quantized per super-block of 256) and the unpacked route (the
+panels widened to float32 per call, multiplied by oneDNN), on a 1.7B Q4_K_M's Q6_K
+shapes, interleaved in one process so host noise hits all alike.
+`routing.INT8_ONLY_MAX_ROWS` reads from it which rows the int8 kernel takes where it
+gains at the fewest only (AVX2).
 
     RIDGELINE_CPU_ISA=avx2 python -m benchmarks.cpu_q8_16_int8_ab [--copies 4] [--reps 5] [OUT.json]
 
@@ -25,7 +26,7 @@ from gpu.cpu.panel_blocks import PanelBlocks
 from tests.test_gguf_types import random_blocks, rewritten
 
 SHAPES = {"ffn_down": (2048, 8192), "lm_head": (49152, 2048)}  # (N, K)
-ROWS = (1, 2, 4, 16, 64, 128)
+ROWS = (1, 2, 4, 8, 12, 16, 64, 128)
 
 
 def kernels(ops, weights: list[PanelBlocks], n: int, k: int) -> dict:

@@ -1,8 +1,8 @@
-"""`RIDGELINE_CPU_ISA` caps the CPU path's instruction sets (`gpu/cpu/isa.py`), so that
-one host tests the paths of the CPUs users have: an AVX2-capped process builds AVX2
-kernels, reports no bf16 arithmetic and no AMX, its quant kernels still give every
-GGUF type's weights bit for bit, and its int8 kernels for K-quants match their reference. The capped build is a library of its own (~1 min to
-compile once)."""
+"""`RIDGELINE_CPU_ISA` caps the CPU path's instruction sets (`gpu/cpu/isa.py`), so that one
+host tests the paths of the CPUs users have: an AVX2-capped process builds AVX2 kernels,
+reports no bf16 arithmetic and no AMX, its quant kernels still give every GGUF type's
+weights bit for bit, and its int8 kernels for K-quants match their reference. The capped
+build is a library of its own (~1 min to compile once)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@
 // unsigned side, assembled from the packed bits per row of k; a pair's sum reaches
 // 2 * 63 * 127 = 16,002 and is widened at once, and 32 * sum(q_x) per half block (16 k,
 // one scale) is taken off again. Rows go two at a time against the whole panel, from the
-// packed blocks straight, read ahead (tile_q8_16_rows): the one or two of a decode call,
-// where this takes 0.5-0.85x the exact kernel's time; from 16 rows it is slower, and
+// packed blocks straight, read ahead (tile_q8_16_rows): a decode call's up to eight,
+// where this takes 0.55-0.9x the exact kernel's time; from 16 rows it is slower, and
 // the routing keeps those calls exact (gpu/cpu/routing.py `INT8_ONLY_MAX_ROWS`).
 #pragma once
 

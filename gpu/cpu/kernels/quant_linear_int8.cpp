@@ -356,7 +356,7 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
 #elif defined(RIDGELINE_INT8)
     const Int8Rows rows = quantize_rows<kSuperBlocks>(x, false);
     const int64_t panels = (N + kPanel - 1) / kPanel;
-    // The routing gives AVX2 one or two rows here: a float32 buffer of them is small.
+    // The routing gives AVX2 up to eight rows here: a float32 buffer of them is small.
     std::vector<float> buffer(out.f32 != nullptr ? 0 : rows.M * N);
     float* sums = out.f32 != nullptr ? out.f32 : buffer.data();
     for (int64_t r0 = 0; r0 < rows.M; r0 += 2)
