@@ -26,7 +26,7 @@ from gpu.cpu.panel_blocks import PanelBlocks
 from tests.test_gguf_types import random_blocks, rewritten
 
 SHAPES = {"ffn_down": (2048, 8192), "lm_head": (49152, 2048)}  # (N, K)
-ROWS = (1, 2, 4, 8, 12, 16, 64, 128)
+ROWS = (1, 2, 4, 8, 16, 64, 128, 256)
 
 
 def kernels(ops, weights: list[PanelBlocks], n: int, k: int) -> dict:

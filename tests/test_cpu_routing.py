@@ -64,10 +64,9 @@ TABLE = [
     (AVX512_BF16, F32, "q8_0", True, 4096, I8),
     (AVX2, F32, "q4_1", True, 128, I8),
     (AVX512_BF16, F32, "q8_16", True, 64, I8),
-    # ... but AVX2's Q8_16 int8 kernel gains at a decode call's rows only: exact above.
-    (AVX2, F32, "q8_16", True, 8, I8),
-    (AVX2, F32, "q8_16", True, 9, B),
-    (AVX2, F32, "q8_16", True, 33, PACKED),
+    # ... but AVX2's Q8_16 int8 kernel gains up to ~100 rows only: oneDNN's above.
+    (AVX2, F32, "q8_16", True, 96, I8),
+    (AVX2, F32, "q8_16", True, 97, PACKED),
     (PORTABLE, F32, "q4_1", True, 1, PLAIN),  # no blocks there, so no int8 either
     (AVX512_BF16, F32, None, True, 64, PACKED),
     # bf16 with bf16 arithmetic: the widened blocks for the fewest rows, then oneDNN's bf16.

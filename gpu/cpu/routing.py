@@ -103,13 +103,12 @@ BF16_DOT_MAX_ROWS_AMX = {"q4_1": 3}
 # they stay exact, on the bf16 dot-product kernel.
 INT8_MIN_ROWS = 4
 # With int8 activations (`--int8-activations`), formats whose int8 kernel on this vector
-# width wins only at the fewest rows: AVX2's Q8_16 assembles and transposes its 6-bit
-# levels per call: a Q6_K layer's calls of one to eight rows (a decode step of up to
-# eight sequences) in 0.55-0.75x the exact kernel's time, even at 12 and slower from 16;
-# the LM head's (the same format) 0.6-0.9x to four rows, even or a little slower at
-# eight (`benchmarks/cpu_q8_16_int8_ab.py`, `benchmarks/cpu_int8_rows_ab.py`); calls of
-# more rows take the exact routes.
-INT8_ONLY_MAX_ROWS = {8: {"q8_16": 8}}
+# width wins only up to some rows: AVX2's Q8_16 unpacks its 6-bit levels per call (a
+# panel at a time for more than two rows), in 0.55-0.75x the exact kernel's time for a
+# Q6_K layer's calls of one to 16 rows and 0.8-0.95x at 64-256, but from ~128 rows the
+# unpacked route (oneDNN on float32 slices) is quicker still
+# (`benchmarks/cpu_q8_16_int8_ab.py`); calls of more rows take the routes below.
+INT8_ONLY_MAX_ROWS = {8: {"q8_16": 96}}
 
 
 class Route(str, Enum):

@@ -20,13 +20,7 @@
 // product is widened at once. The integer sums are exact either way, and the scaling
 // that follows is the AVX-512 half's, operation for operation.
 //
-// Q8_16 (a Q6_K's or Q3_K's 6-bit levels, q8_16_blocks.h): u = level + 32 (0-63) is the
-// unsigned side, assembled from the packed bits per row of k; a pair's sum reaches
-// 2 * 63 * 127 = 16,002 and is widened at once, and 32 * sum(q_x) per half block (16 k,
-// one scale) is taken off again. Rows go two at a time against the whole panel, from the
-// packed blocks straight, read ahead (tile_q8_16_rows): a decode call's up to eight,
-// where this takes 0.55-0.9x the exact kernel's time; from 16 rows it is slower, and
-// the routing keeps those calls exact (gpu/cpu/routing.py `INT8_ONLY_MAX_ROWS`).
+// Q8_16 (a Q6_K's or Q3_K's levels): int8_avx2_q8_16.h.
 #pragma once
 
 #include <immintrin.h>
@@ -34,8 +28,6 @@
 #include <cstdint>
 #include <cstring>
 
-#include "prefetch.h"
-#include "q8_16_blocks.h"
 #include "quant_blocks.h"
 #include "reduce.h"
 
@@ -216,102 +208,6 @@ inline void tile_q8_0(const Q8_0& w, int64_t p, int half, const Rows& x, int64_t
     for (int t = 0; t < T; ++t) {
       const int64_t n0 = 16 * s + 8 * half;
       store8(out + t * os + n0, cols - n0, acc[t][s]);
-    }
-}
-
-// Row k (0-31) of a Q8_16 block's levels as u, 32 outputs' bytes: the low 4 bits from
-// nibble row k % 16 (its high nibbles where k >= 16), bits 4-5 from top row 16 + k % 8,
-// field k / 8 (16-bit shifts: what crosses a byte is masked away).
-inline __m256i q8_16_row(const uint8_t* block, int k) {
-  const auto row = [&](int i) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * kPanel));
-  };
-  const __m256i low = k < 16 ? row(k) : _mm256_srli_epi16(row(k - 16), 4);
-  const __m256i t = row(16 + k % 8);
-  const __m256i high = k < 8    ? _mm256_slli_epi16(t, 4)
-                       : k < 16 ? _mm256_slli_epi16(t, 2)
-                       : k < 24 ? t
-                                : _mm256_srli_epi16(t, 2);
-  return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(0x0F)),
-                         _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
-}
-
-// The scales (code * super) of half h of Q8_16 block g, outputs 8i .. 8i + 7.
-inline __m256 scale8(const Q8_16& w, int64_t g, int h, int i) {
-  const __m128i codes =
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.codes + (2 * g + h) * kPanel + 8 * i));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
-                       _mm256_loadu_ps(w.supers + (g / 8) * kPanel + 8 * i));
-}
-
-// 32 * the sum of x's 16 levels at q, in every lane: what u = level + 32 adds.
-inline __m256i bias32(const int8_t* q) {
-  const __m128i pairs = _mm_maddubs_epi16(
-      _mm_set1_epi8(1), _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m128i s4 = _mm_madd_epi16(pairs, _mm_set1_epi16(32));
-  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  return _mm256_broadcastd_epi32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-}
-
-// dot += the int32 sums of u (an [output][4 k] vector) against x's 4 levels.
-inline __m256i add_products(__m256i dot, __m256i u, __m256i x) {
-  return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x),
-                                                 _mm256_set1_epi16(1)));
-}
-
-// T (1 or 2) rows of x against all of Q8_16 panel p, from its packed blocks: each group
-// of 4 k's u assembled in registers and transposed for both halves (vector v: outputs
-// 8 * kFirst[v] ..), the blocks kReadAhead ahead asked into L2.
-template <int T, typename Rows>
-inline void tile_q8_16_rows(const Q8_16& w, int64_t p, const Rows& x, int64_t r0, float* out,
-                            int64_t os, int64_t cols) {
-  constexpr int kFirst[4] = {0, 2, 1, 3};  // half 0 first, second; half 1 first, second
-  constexpr int64_t kReadAhead = 4;
-  const int64_t blocks = w.K / kBlock;
-  __m256 acc[T][4];
-  for (int t = 0; t < T; ++t)
-    for (int v = 0; v < 4; ++v) acc[t][v] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t g = w.global(p, b);
-    const uint8_t* q = w.qs + g * Q8_16::kPackedBytes;
-    for (int64_t line = 0; line < Q8_16::kPackedBytes; line += 64)
-      prefetch::t1(q, kReadAhead * Q8_16::kPackedBytes + line);
-    prefetch::t1(w.codes, (g + kReadAhead) * 2 * kPanel);
-    const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
-    const float* xd = x.d.data() + b * x.M + r0;
-    for (int h = 0; h < 2; ++h) {  // k = 16h .. 16h + 15, one scale
-      __m256i dot[T][4];
-      for (int t = 0; t < T; ++t)
-        for (int v = 0; v < 4; ++v) dot[t][v] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int j = 4 * h; j < 4 * h + 4; ++j) {
-        const __m256i u0 = q8_16_row(q, 4 * j), u1 = q8_16_row(q, 4 * j + 1),
-                      u2 = q8_16_row(q, 4 * j + 2), u3 = q8_16_row(q, 4 * j + 3);
-        __m256i wv[4];
-        transpose4(u0, u1, u2, u3, 0, wv[0], wv[1]);
-        transpose4(u0, u1, u2, u3, 1, wv[2], wv[3]);
-        for (int t = 0; t < T; ++t) {
-          const __m256i xv = broadcast4(xq + t * kBlock + 4 * j);
-          for (int v = 0; v < 4; ++v) dot[t][v] = add_products(dot[t][v], wv[v], xv);
-          in_registers(dot[t][0], dot[t][1]);
-          in_registers(dot[t][2], dot[t][3]);
-        }
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m256i bias = bias32(xq + t * kBlock + 16 * h);
-        const __m256 xdt = _mm256_set1_ps(xd[t]);
-        for (int v = 0; v < 4; ++v) {
-          const __m256 sums =
-              _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[t][v], bias)), xdt);
-          acc[t][v] = _mm256_fmadd_ps(sums, scale8(w, g, h, kFirst[v]), acc[t][v]);
-        }
-      }
-    }
-  }
-  for (int v = 0; v < 4; ++v)
-    for (int t = 0; t < T; ++t) {
-      const int64_t n0 = 8 * kFirst[v];
-      store8(out + t * os + n0, cols - n0, acc[t][v]);
     }
 }
 

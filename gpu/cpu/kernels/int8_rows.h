@@ -54,8 +54,8 @@ struct Int8Span {
 // Symmetric per block, as llama.cpp's Q8_0: d = max|x| / 127, q = round-to-even(x / d)
 // (computed as x * (1 / d): cvtps rounds to nearest even); an all-zero block has d = 0
 // and levels 0. x float32 or bf16 (widened exactly); the levels in k order, or in
-// `kPairOrder` for the pairs; `q8_16_bias` (AVX-512 only): with `Int8Rows.bias16`.
-// `kSuperBlocks` blocks per scale (AVX-512 only): 1, or 8 for a tile against a K-quant's
+// `kPairOrder` for the pairs; `q8_16_bias`: with `Int8Rows.bias16`.
+// `kSuperBlocks` blocks per scale: 1, or 8 for a tile against a K-quant's
 // super-blocks of 256 k (int8_pairs.h `tile_pairs_super`, int8_avx512.h `tile_q8_16`), as
 // llama.cpp's Q8_K: max|x| over the 256, each block's `d` that scale; the sums stay per
 // block and exact.
@@ -73,9 +73,6 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_b
   r.sum.resize(M * r.blocks);
   if (q8_16_bias) r.bias16.resize(M * r.blocks * 2);
   constexpr int64_t G = kSuperBlocks, kValues = G * kBlock;
-#ifndef RIDGELINE_INT8_ROWS_AVX512
-  TORCH_CHECK(!q8_16_bias, "quantize_rows: a Q8_16 bias is AVX-512's");
-#endif
   // Item i: row t's group of G blocks from block b = G * (i / M).
   at::parallel_for(0, M * (r.blocks / G), 256 / G, [&](int64_t begin, int64_t end) {
     float widened[kValues];
@@ -105,6 +102,12 @@ inline Int8Rows quantize_rows(const at::Tensor& x, bool pair_order, bool q8_16_b
         const float sum = avx2::quantize_block(v + g * kBlock, inv, q);
         r.d[at] = d;
         r.sum[at] = G == 1 ? sum : sum * inv;
+        if (q8_16_bias)
+          for (int64_t h = 0; h < 2; ++h) {
+            int32_t levels = 0;
+            for (int64_t j = 0; j < 16; ++j) levels += q[16 * h + j];
+            r.bias16[(2 * (b + g) + h) * M + t] = -32 * levels;
+          }
         if (pair_order) {
           int8_t k_order[kBlock];
           std::memcpy(k_order, q, kBlock);

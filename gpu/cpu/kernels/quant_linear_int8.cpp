@@ -59,7 +59,7 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #define RIDGELINE_INT8 1
-#include "int8_avx2.h"
+#include "int8_avx2_q8_16.h"
 #endif
 
 namespace {
@@ -330,8 +330,9 @@ at::Tensor q8_0_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
 
 // Q8_16's levels, codes and supers as q8_16_blocks.h lays them out. AVX-512: each thread
 // unpacks a panel's span of blocks once (before its first tile) into a buffer of its own,
-// in vpdpbusd's order with its scales (int8_avx512.h `unpack_q8_16_panel`); AVX2: rows two
-// at a time from the packed blocks (int8_avx2.h).
+// in vpdpbusd's order with its scales (int8_avx512.h `unpack_q8_16_panel`); AVX2 likewise
+// a whole panel, in vpmaddubsw's order (int8_avx2.h), or for one or two rows none: they
+// read the packed blocks straight.
 at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
                              const at::Tensor& codes, const at::Tensor& supers, int64_t N) {
   const char* op = "q8_16_linear_int8";
@@ -354,21 +355,32 @@ at::Tensor q8_16_linear_int8(const at::Tensor& x, const at::Tensor& levels,
           unpack_q8_16_panel(w, p, b0, b1, reinterpret_cast<int8_t*>(panel.data()));
         });
 #elif defined(RIDGELINE_INT8)
-    const Int8Rows rows = quantize_rows<kSuperBlocks>(x, false);
-    const int64_t panels = (N + kPanel - 1) / kPanel;
-    // The routing gives AVX2 up to eight rows here: a float32 buffer of them is small.
-    std::vector<float> buffer(out.f32 != nullptr ? 0 : rows.M * N);
+    if (x.size(0) > 2) {  // each thread's panel, unpacked once for every row tile
+      static thread_local std::vector<uint8_t> panel;
+      int8_linear<avx2::kQ8_16Tile>(
+          w, x, [](const at::Tensor& c) { return quantize_rows<kSuperBlocks>(c, false, true); },
+          out,
+          [](auto T, const Q8_16& w, int64_t p, auto&&... a) {
+            avx2::tile_q8_16<decltype(T)::value>(w, p, panel.data(), a...);
+          },
+          [&](int64_t p, int64_t, int64_t) {
+            panel.resize(w.K / kBlock * avx2::kQ8_16Unpacked);
+            avx2::unpack_q8_16_panel(w, p, panel.data());
+          });
+      return;
+    }
+    const Int8Rows rows = quantize_rows<kSuperBlocks>(x, false);  // one or two rows
+    std::vector<float> buffer(out.f32 != nullptr ? 0 : rows.M * N);  // a small float32 one
     float* sums = out.f32 != nullptr ? out.f32 : buffer.data();
-    for (int64_t r0 = 0; r0 < rows.M; r0 += 2)
-      at::parallel_for(0, panels, std::max<int64_t>(1, 65536 / (kPanel * w.K)),
-                       [&](int64_t begin, int64_t end) {
-                         for (int64_t p = begin; p < end; ++p)
-                           with_rows<2>(rows.M - r0, [&](auto T) {
-                             avx2::tile_q8_16_rows<decltype(T)::value>(
-                                 w, p, rows, r0, sums + r0 * N + p * kPanel, N,
-                                 std::min(kPanel, N - p * kPanel));
-                           });
-                       });
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, std::max<int64_t>(1, 65536 / (kPanel * w.K)),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t p = begin; p < end; ++p)
+                         with_rows<2>(rows.M, [&](auto T) {
+                           avx2::tile_q8_16_rows<decltype(T)::value>(
+                               w, p, rows, 0, sums + p * kPanel, N,
+                               std::min(kPanel, N - p * kPanel));
+                         });
+                     });
     if (out.f32 == nullptr) round_to_bf16(sums, out.bf16, rows.M * N);
 #endif
   });
