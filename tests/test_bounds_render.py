@@ -197,7 +197,7 @@ def test_a_gigabyte_string_is_refused_without_freezing_the_loop(trusting):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     assert "memory" in r.json()["error"]["message"]
     assert elapsed < RENDER_TIMEOUT + 3
-    assert probe.health and max(probe.health) < 0.8, probe.health
+    assert probe.health and max(probe.health) < 0.5, probe.health
 
 
 def test_an_output_longer_than_any_prompt_is_refused(trusting):
@@ -350,7 +350,7 @@ def test_sixty_thousand_messages_are_refused_at_once(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "2048" in r.json()["error"]["message"]
     assert elapsed < 1.5
-    assert probe.health and max(probe.health) < 0.8, probe.health
+    assert probe.health and max(probe.health) < 0.5, probe.health
 
 
 @pytest.mark.parametrize("body,param", [
