@@ -71,8 +71,9 @@ RIDGELINE_INLINE void block_dots(const uint32_t* q, const int8_t* xq, __m512i (&
 
 // T rows of x (levels in `kPairOrder`) against half `half` of a Q4_1 panel p held as the
 // dot kernel's pairs: per chunk one load of 16 outputs' dwords, its low and high nibbles
-// masked out as bytes, no gather (the panels' vpermt2b). Scales: q4_1_scales.h.
-template <int T, bool kCoded, typename Rows>
+// masked out as bytes, no gather (the panels' vpermt2b). Scales: float32 per block
+// (a Q4_K's codes take `tile_pairs_super`).
+template <int T, typename Rows>
 inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
                        int64_t r0, float* out, int64_t os, int64_t cols) {
   const __mmask16 mask = int8_avx512::half_mask(half, cols);
@@ -85,11 +86,11 @@ inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
     const int8_t* xq = x.q + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xd = x.d + b * x.M + r0;
     const float* xsum = x.sum + b * x.M + r0;
-    if (leads) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
+    if (leads) w.sc.read_ahead<false>(w.qp, p * blocks + b + int8_avx512::kSpanBlocks);
     __m512i dot[T];
     block_dots<T>(q, xq, dot);
     __m512 d, m;
-    w.sc.load<kCoded>(p, b, half, d, m);
+    w.sc.load<false>(p, b, half, d, m);
     for (int t = 0; t < T; ++t) {
       const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_set1_ps(xd[t]));
       acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t]), _mm512_fmadd_ps(scaled, d, acc[t]));
@@ -143,49 +144,58 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
 #elif defined(__AVX2__) && defined(__FMA__)
 namespace int8_pairs {
 
+// One block's int16 sums for T rows (levels from xq, row t at t * 32) against V vectors
+// of 8 outputs' pairs at q: per chunk and vector one load, its low or high nibbles masked
+// out as bytes, each row's 4 levels broadcast once for every vector.
+template <int T, int V>
+RIDGELINE_INLINE void block_dots(const uint32_t* q, const int8_t* xq, __m256i (&dot)[T][V]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < V; ++v) dot[t][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // chunk i / 2, its low nibbles (i even) or high ones
+    __m256i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = avx2::broadcast4(xq + t * kBlock + 4 * i);
+    for (int v = 0; v < V; ++v) {
+      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i / 2 * kPanel) + v);
+      if (i % 2) wv = _mm256_srli_epi16(wv, 4);
+      wv = _mm256_and_si256(wv, nibble);
+      for (int t = 0; t < T; ++t) {
+        dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(wv, xv[t]));
+        avx2::in_registers(dot[t][v]);
+      }
+    }
+  }
+}
+
 // As the AVX-512 tile, in vectors of 8 outputs. Up to two rows (decode) take the whole
 // panel in one pass (4 vectors; the call for half 1 does nothing), so that each block's
 // 512 bytes are read once, in order: per half, a pass reads every other 64 bytes, and a
 // decode step that streams its weights from memory reads them markedly slower so. More
 // rows take half a panel (2 vectors) per pass, for the registers.
-template <int T, bool kCoded, typename Rows>
+template <int T, typename Rows>
 inline void tile_pairs(const Pairs& w, int64_t p, int half, const Rows& x,
                        int64_t r0, float* out, int64_t os, int64_t cols) {
   constexpr int V = T <= 2 ? 4 : 2;
   constexpr int64_t kReadAhead = 4;
   if (V == 4 && half) return;
   const int64_t n_first = V == 4 ? 0 : 16 * half;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = w.K / kBlock;
   __m256 acc[T][V];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint32_t* q = w.qp + (p * blocks + b) * 4 * kPanel + n_first;
-    if (V == 4) w.sc.read_ahead<kCoded>(w.qp, p * blocks + b + kReadAhead);
+    if (V == 4) w.sc.read_ahead<false>(w.qp, p * blocks + b + kReadAhead);
     const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
     const float* xd = x.d.data() + b * x.M + r0;
     const float* xsum = x.sum.data() + b * x.M + r0;
     __m256i dot[T][V];
-    for (int t = 0; t < T; ++t)
-      for (int v = 0; v < V; ++v) dot[t][v] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {  // chunk i / 2, its low nibbles (i even) or high ones
-      __m256i xv[T];
-      for (int t = 0; t < T; ++t) xv[t] = avx2::broadcast4(xq + t * kBlock + 4 * i);
-      for (int v = 0; v < V; ++v) {
-        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i / 2 * kPanel) + v);
-        if (i % 2) wv = _mm256_srli_epi16(wv, 4);
-        wv = _mm256_and_si256(wv, nibble);
-        for (int t = 0; t < T; ++t) {
-          dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(wv, xv[t]));
-          avx2::in_registers(dot[t][v]);
-        }
-      }
-    }
+    block_dots<T, V>(q, xq, dot);
     for (int v = 0; v < V; ++v) {
       __m256 d, m;
-      w.sc.load8<kCoded>(p, b, n_first + 8 * v, d, m);
+      w.sc.load8<false>(p, b, n_first + 8 * v, d, m);
       for (int t = 0; t < T; ++t) {
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[t][v], ones));
         const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(xd[t]));
@@ -230,7 +240,6 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
   constexpr int64_t kReadAhead = 4;
   if (V == 4 && half) return;
   const int64_t n_first = V == 4 ? 0 : 16 * half;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const int64_t blocks = w.K / kBlock;
   for (int64_t s0 = 0; s0 < blocks; s0 += kSuperBlocks) {
     __m256i acc[T][V];
@@ -241,23 +250,7 @@ inline void tile_pairs_super(const Pairs& w, int64_t p, int half, const Rows& x,
       if (V == 4) w.sc.read_ahead<true>(w.qp, p * blocks + b + kReadAhead);
       const int8_t* xq = x.q.data() + (b * x.M + r0) * kBlock;  // row t at t * 32
       __m256i dot[T][V];
-      for (int t = 0; t < T; ++t)
-        for (int v = 0; v < V; ++v) dot[t][v] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {  // chunk i / 2, its low nibbles (i even) or high ones
-        __m256i xv[T];
-        for (int t = 0; t < T; ++t) xv[t] = avx2::broadcast4(xq + t * kBlock + 4 * i);
-        for (int v = 0; v < V; ++v) {
-          __m256i wv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i / 2 * kPanel) + v);
-          if (i % 2) wv = _mm256_srli_epi16(wv, 4);
-          wv = _mm256_and_si256(wv, nibble);
-          for (int t = 0; t < T; ++t) {
-            dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(wv, xv[t]));
-            avx2::in_registers(dot[t][v]);
-          }
-        }
-      }
+      block_dots<T, V>(q, xq, dot);
       const uint8_t* codes = w.sc.codes + (p * blocks + b) * 2 * kPanel + n_first;
       for (int v = 0; v < V; ++v) {
         const __m256i scale = code_pairs(codes + 8 * v);

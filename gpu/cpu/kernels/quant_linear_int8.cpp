@@ -288,7 +288,7 @@ at::Tensor q4_1_linear_int8(const at::Tensor& x, const at::Tensor& qweight,
       using int8_pairs::tile_pairs;
       if (sc.d != nullptr) {
         int8_linear(w, x, [](const at::Tensor& c) { return quantize_rows(c, true); }, out,
-                    [](auto T, auto&&... a) { tile_pairs<decltype(T)::value, false>(a...); });
+                    [](auto T, auto&&... a) { tile_pairs<decltype(T)::value>(a...); });
         return;
       }
       // A Q4_K's codes: x scaled per super-block.
